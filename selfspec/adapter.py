@@ -1,0 +1,200 @@
+"""The model adapter: run any list of a Hugging Face decoder's own layers on one shared KV cache.
+
+`embed`, `run_layers(h, layers, start, cache)` and `head` are all a drafter or the verify needs.
+Depth is an argument: a draft passes `layers=range(k)` (early exit at k) or any other list, and
+nothing in the HF model or its config is mutated. The adapter calls the model's own submodules
+(projections, norms, MLPs) with the weights transformers loaded, never a copy; only the attention
+glue (rotary, cache write, masked SDPA) is ours, so that it reads and writes our cache by position.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.cache import KVCache
+
+# model_type -> block layout. "pre-norm": Llama-style (norm before attention and MLP);
+# "sandwich": Gemma 3 (norms before and after both attention and MLP).
+ARCHITECTURES = {
+    "llama": "pre-norm",
+    "mistral": "pre-norm",
+    "qwen2": "pre-norm",
+    "qwen3": "pre-norm",
+    "phi3": "pre-norm",
+    "gemma3_text": "sandwich",
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    window: int | None  # sliding-window size (a key is visible while q - kv < window), None for full attention
+    rope: str  # which rotary table this layer uses (Gemma 3: local and global layers differ)
+
+
+class ModelAdapter:
+    def __init__(self, hf_model: torch.nn.Module):
+        config = hf_model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"selfspec cannot split model type {model_type!r} into layers; supported: "
+                f"{', '.join(sorted(ARCHITECTURES))} (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 text)"
+            )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("bidirectional attention is not a decoder: cannot speculate on it")
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedModelError("attention logit soft-capping is not supported")
+        self.hf_model = hf_model
+        self.config = config
+        self.layout = ARCHITECTURES[model_type]
+        body = hf_model.model
+        self.embed_tokens = body.embed_tokens  # Gemma 3's embedding scales by sqrt(hidden) itself
+        self.layers = body.layers
+        self.norm = body.norm
+        self.lm_head = hf_model.lm_head
+        self.rotary = body.rotary_emb
+        self.n_layers = len(self.layers)
+        attn0 = self.layers[0].self_attn
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = attn0.head_dim
+        self.scale = attn0.scaling
+        self.max_positions = getattr(config, "max_position_embeddings", None) or 2048
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.n_layers
+        self.specs = [
+            LayerSpec(
+                window=getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None)),
+                rope=layer_types[i],
+            )
+            for i, layer in enumerate(self.layers)
+        ]
+        self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, capacity: int) -> KVCache:
+        self._ensure_rope(capacity)
+        return KVCache(
+            self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype=self.dtype, device=self.device
+        )
+
+    # -- the three entry points -------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token ids [n] -> hidden states [1, n, hidden]."""
+        return self.embed_tokens(token_ids.view(1, -1))
+
+    def run_layers(self, h: torch.Tensor, layers, start: int, cache: KVCache) -> torch.Tensor:
+        """Run `layers` (indices, in order) on h [1, n, hidden] at positions start .. start+n-1.
+
+        Each layer writes its keys/values for those positions into `cache` and attends to
+        the cache's earlier positions of the same layer.
+        """
+        n = h.shape[1]
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for i in layers:
+            spec = self.specs[i]
+            if spec.window not in masks:
+                masks[spec.window] = _causal_mask(start, n, spec.window, self.device)
+            h = self._layer(i, h, start, cache, masks[spec.window])
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden states [1, n, hidden] -> logits [n, vocab] in float32."""
+        logits = self.lm_head(self.norm(h))[0].float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    # -- one decoder layer --------------------------------------------------------------------
+
+    def _layer(self, i: int, h: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
+        layer = self.layers[i]
+        if self.layout == "sandwich":
+            a = self._attention(i, layer.input_layernorm(h), start, cache, mask)
+            h = h + layer.post_attention_layernorm(a)
+            m = layer.mlp(layer.pre_feedforward_layernorm(h))
+            return h + layer.post_feedforward_layernorm(m)
+        h = h + self._attention(i, layer.input_layernorm(h), start, cache, mask)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _attention(self, i: int, x: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
+        attn = self.layers[i].self_attn
+        n = x.shape[1]
+        if hasattr(attn, "qkv_proj"):  # Phi-3 fuses the three projections
+            q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = attn.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.view(1, n, self.n_heads, self.head_dim).transpose(1, 2)  # [1, heads, n, head_dim]
+        k = k.view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        spec = self.specs[i]
+        cos, sin = self._rope[spec.rope]
+        cos, sin = cos[start : start + n], sin[start : start + n]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cache.write(i, start, k, v)
+        end = start + n
+        kv_start = 0 if spec.window is None else max(0, start - spec.window + 1)
+        keys, values = cache.view(i, kv_start, end)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim))
+
+    def _ensure_rope(self, capacity: int) -> None:
+        """Tabulate cos/sin for positions < capacity with the model's own rotary module."""
+        have = next(iter(self._rope.values()))[0].shape[0] if self._rope else 0
+        if have >= capacity:
+            return
+        positions = torch.arange(capacity, device=self.device).view(1, -1)
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        for rope in {spec.rope for spec in self.specs}:
+            args = (probe, positions, rope) if self._rope_by_type else (probe, positions)
+            cos, sin = self.rotary(*args)
+            self._rope[rope] = (cos[0], sin[0])  # [capacity, rotary_dim]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first rotary_dim features (all of them unless partial, as Phi-3.5)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    half = rot // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _causal_mask(start: int, n: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean mask [n, kv_len] (True = may attend) for queries at start .. start+n-1.
+
+    Keys run from kv_start (0, or the first key inside the window) to start+n-1. A single query
+    needs no mask: the key range itself already is the window.
+    """
+    if n == 1:
+        return None
+    kv_start = 0 if window is None else max(0, start - window + 1)
+    q_pos = torch.arange(start, start + n, device=device).view(n, 1)
+    kv_pos = torch.arange(kv_start, start + n, device=device).view(1, -1)
+    allowed = kv_pos <= q_pos
+    if window is not None:
+        allowed &= kv_pos > q_pos - window
+    return allowed

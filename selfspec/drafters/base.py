@@ -1,0 +1,53 @@
+"""The one drafter interface.
+
+A drafter proposes γ tokens after the pending token (committed, not yet fed to the model).
+Lifecycle, the same for every drafter: `begin` once per generation, then per round `propose`
+and `observe(n_accepted)`. Adaptive drafters learn in `observe`; static ones ignore it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from selfspec.adapter import ModelAdapter
+from selfspec.cache import KVCache
+from selfspec.sampling import SamplingParams
+
+
+@dataclass
+class DraftContext:
+    adapter: ModelAdapter
+    cache: KVCache
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: torch.Tensor  # [prompt_len]
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [γ] long; γ may be 0 (plain autoregressive step)
+    draft_probs: torch.Tensor | None = None  # q [γ, vocab]; None when greedy
+    # KV reuse (LayerSkip): layers < exit_layer already ran, and wrote their KV, for the pending
+    # token and the first γ-1 draft tokens; exit_hidden [1, γ, hidden] are their layer-k states.
+    exit_layer: int | None = None
+    exit_hidden: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(Protocol):
+    name: str
+    exit_layer: int | None
+    draft_len: int
+
+    def begin(self, ctx: DraftContext) -> None: ...
+
+    def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
+        """Draft up to min(γ, max_len) tokens after `pending` (a [1] tensor at position `start`)."""
+        ...
+
+    def observe(self, n_accepted: int) -> None: ...

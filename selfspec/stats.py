@@ -1,0 +1,98 @@
+"""What every generation reports about itself.
+
+Terms, defined once for the whole package:
+  k   exit layer: the draft runs decoder layers 0 .. k-1, then the model's own final norm and head.
+  γ   draft length: tokens the drafter proposes per round (gamma in code).
+  α   acceptance rate: accepted draft tokens / drafted tokens.
+  c   draft cost: wall time of one draft token over wall time of one full one-token forward,
+      both measured on this machine in this process (never assumed to be k/L).
+  mean accepted length: tokens committed per verify round, the bonus/recovered token included,
+      as is conventional (plain autoregressive decoding has exactly 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    exit_layer: int | None = None  # k; None for methods without an exit layer
+    draft_len: int = 0  # γ
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # verify forwards after the prefill
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that drafted it
+    accepted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that accepted it
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0  # prefill + all rounds, the figure tokens/s divides by
+    step_s: float | None = None  # one full one-token forward, measured, for c
+
+    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        grow = n_drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(n_drafted):
+            self.drafted_at[i] += 1
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft token i accepted | tokens before it accepted), per position."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def cost(self) -> float | None:
+        """c: draft time per drafted token over one full forward's time."""
+        if not self.drafted or not self.step_s:
+            return None
+        return (self.draft_s / self.drafted) / self.step_s
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            alpha=self.alpha,
+            acceptance_by_position=self.acceptance_by_position,
+            mean_accepted_length=self.mean_accepted_length,
+            tokens_per_s=self.tokens_per_s,
+            cost=self.cost,
+        )
+        return out
+
+    def summary(self) -> str:
+        def fmt(x, spec):
+            return "n/a" if x is None else format(x, spec)
+
+        parts = [
+            f"{self.new_tokens} tokens",
+            f"{self.tokens_per_s:.1f} tok/s",
+            f"α {fmt(self.alpha, '.2f')}",
+            f"accepted/step {fmt(self.mean_accepted_length, '.2f')}",
+            f"k {self.exit_layer if self.exit_layer is not None else '-'}",
+            f"γ {self.draft_len}",
+            f"c {fmt(self.cost, '.2f')}",
+            f"method {self.method}",
+        ]
+        return " | ".join(parts)
