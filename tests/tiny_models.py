@@ -20,6 +20,8 @@ COMMON = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
     tie_word_embeddings=False,
 )
 

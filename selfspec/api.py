@@ -1,0 +1,198 @@
+"""The Python API: `load` a model, then `generate` (text, tokens, statistics) or `stream` it.
+
+    import selfspec
+    model = selfspec.load()                       # SmolLM2-135M-Instruct, bundled
+    result = model.generate("Why is the sky blue?", exit_layer=26, draft_len=4)
+    print(result.text, result.stats.summary())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.adapter import ModelAdapter
+from selfspec.drafters import make_drafter
+from selfspec.engine import check_length, decode
+from selfspec.loading import LoadedModel, load_hf
+from selfspec.sampling import SamplingParams
+from selfspec.stats import GenerationStats
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]  # tokens committed by one verify round
+    text: str  # the text they add (held back while it may still become part of a stop string)
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class Stream:
+    """Iterate for chunks as they are committed; `result` is complete once iteration ends."""
+
+    _chunks: Iterator[Chunk]
+    result: Generation
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self._chunks
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.result.stats
+
+
+@dataclass
+class SelfSpecModel:
+    hf_model: torch.nn.Module
+    tokenizer: object | None = None  # None: prompts must be token ids
+    name: str = "model"
+    adapter: ModelAdapter = field(init=False)
+
+    def __post_init__(self):
+        self.adapter = ModelAdapter(self.hf_model)
+        self._step_s: float | None = None  # one full forward, measured once: the denominator of c
+
+    @property
+    def n_layers(self) -> int:
+        return self.adapter.n_layers
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (getattr(self.hf_model, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        return frozenset(ids)
+
+    def default_exit_layer(self) -> int:
+        """k when none is given: three quarters of the depth (see README for measured α per k)."""
+        return max(1, (3 * self.n_layers) // 4)
+
+    def encode(self, prompt: str | Sequence[int], chat: bool | None = None) -> torch.Tensor:
+        """Prompt text (or token ids) -> ids [n]. chat=None applies the chat template if the model has one."""
+        if not isinstance(prompt, str):
+            return torch.as_tensor(list(prompt), dtype=torch.long)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids instead of text")
+        if not prompt.strip():
+            raise ValueError("the prompt is empty: give some text")
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat is None:
+            chat = has_template
+        if chat:
+            if not has_template:
+                raise ValueError(f"{self.name} has no chat template; use --no-chat (chat=False)")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        return torch.as_tensor(ids, dtype=torch.long)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        method: str = "early-exit",
+        exit_layer: int | None = None,
+        draft_len: int = 4,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool | None = None,
+    ) -> Stream:
+        """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
+        are raised here, before any model work."""
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if method != "ar" and exit_layer is None:
+            exit_layer = self.default_exit_layer()
+        if exit_layer is not None and not 1 <= exit_layer <= self.n_layers:
+            raise ValueError(f"exit layer must be in 1..{self.n_layers} for {self.name}, got {exit_layer}")
+        drafter = make_drafter(method, exit_layer=exit_layer, draft_len=draft_len)
+        ids = self.encode(prompt, chat)
+        stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
+        stats.step_s = self._step_s if drafter.draft_len else None
+        check_length(self.adapter, ids.numel(), max_new_tokens)
+        result = Generation(text="", tokens=[], stats=stats)
+        rounds = decode(
+            self.adapter, ids, drafter, sampling=sampling, max_new_tokens=max_new_tokens,
+            eos_ids=self.eos_ids, stats=stats,
+        )
+        return Stream(self._chunks(rounds, result, stop), result)
+
+    def generate(self, prompt: str | Sequence[int], **options) -> Generation:
+        """Run to the end; same options as `stream`."""
+        stream = self.stream(prompt, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _chunks(self, rounds: Iterator[list[int]], result: Generation, stop: list[str]) -> Iterator[Chunk]:
+        """Turn committed token lists into text chunks, cutting at the first stop string."""
+        holdback = max((len(s) for s in stop), default=1) - 1
+        shown = 0  # characters of result.text already yielded
+        try:
+            for tokens in rounds:
+                result.tokens += tokens
+                if self.tokenizer is None:
+                    yield Chunk(tokens, "")
+                    continue
+                text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+                cut = _find_stop(text, stop, max(0, shown - holdback))
+                if cut is not None:
+                    result.text = text[:cut]
+                    yield Chunk(tokens, result.text[shown:])
+                    return
+                result.text = text
+                ready = len(text) - holdback
+                while ready > shown and text[ready - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                    ready -= 1
+                if ready > shown:
+                    yield Chunk(tokens, text[shown:ready])
+                    shown = ready
+                else:
+                    yield Chunk(tokens, "")
+            if len(result.text) > shown:
+                yield Chunk([], result.text[shown:])
+        finally:
+            rounds.close()
+            self._step_s = result.stats.step_s or self._step_s
+
+
+def _find_stop(text: str, stop: list[str], search_from: int) -> int | None:
+    hits = [i for i in (text.find(s, search_from) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def load(
+    model: str | None = None,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    progress: bool = True,
+) -> SelfSpecModel:
+    """Load a bundled model by name ("smollm2", the default; "gemma3"), a local Hugging Face
+    checkpoint directory or a .gguf file."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    loaded: LoadedModel = load_hf(model, dtype=dtype, device=device, progress=progress)
+    return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name)

@@ -1,0 +1,227 @@
+"""`selfspec bench`: our AR, early-exit at each (k, γ), and transformers' greedy generate(), on the
+same Spec-Bench prompts in one process, greedy, batch 1.
+
+Methods run interleaved prompt by prompt, so machine noise spreads over all of them. Every output
+is compared token by token with our AR's: a speedup only counts if the output is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from selfspec.engine import check_length
+
+
+@dataclass
+class Prompt:
+    question_id: int
+    category: str
+    text: str
+
+
+@dataclass
+class Tally:
+    """Totals of one method over a set of prompts."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    draft_s: float = 0.0
+    step_s: float = 0.0
+    identical: int = 0
+    runs: int = 0
+
+    def add(self, tokens: int, seconds: float, identical: bool, stats=None) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.identical += identical
+        self.runs += 1
+        if stats is not None:
+            self.drafted += stats.drafted
+            self.accepted += stats.accepted
+            self.rounds += stats.rounds
+            self.draft_s += stats.draft_s
+            self.step_s = stats.step_s or self.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "alpha": round(self.accepted / self.drafted, 3) if self.drafted else None,
+            "mean_accepted_length": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else None,
+            "cost": round(self.draft_s / self.drafted / self.step_s, 3) if self.drafted and self.step_s else None,
+            "identical_to_ar": f"{self.identical}/{self.runs}",
+        }
+
+
+@dataclass
+class Method:
+    label: str
+    method: str  # "ar", "early-exit" or "hf" (transformers generate)
+    exit_layer: int | None = None
+    draft_len: int = 0
+    total: Tally = field(default_factory=Tally)
+    by_category: dict[str, Tally] = field(default_factory=dict)
+
+
+def load_prompts(path: str | None, per_category: int) -> list[Prompt]:
+    if path is None:
+        text = resources.files("selfspec").joinpath("data/spec_bench_subset.jsonl").read_text()
+    else:
+        text = Path(path).read_text()
+    taken: dict[str, int] = {}
+    prompts = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            category, turn = row.get("category", "all"), row["turns"][0]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+            raise ValueError(f"{path}:{line_no}: not a Spec-Bench row (needs 'turns': [text, ...]): {err}") from err
+        if taken.get(category, 0) < per_category:
+            taken[category] = taken.get(category, 0) + 1
+            prompts.append(Prompt(row.get("question_id", line_no), category, turn))
+    if not prompts:
+        raise ValueError(f"no prompts found in {path or 'the bundled subset'}")
+    return prompts
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run_bench(args) -> int:
+    import selfspec
+
+    prompts = load_prompts(args.prompts, args.per_category)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    exit_layers = args.exit_layer or [model.default_exit_layer()]
+    draft_lens = args.draft_len or [4]
+    methods = [Method("ar (ours)", "ar")]
+    methods += [Method(f"early-exit k={k} γ={g}", "early-exit", k, g) for k in exit_layers for g in draft_lens]
+    if not args.no_hf:
+        methods.append(Method("transformers generate()", "hf"))
+    encoded = [model.encode(p.text) for p in prompts]
+    n = args.max_new_tokens
+    for ids in encoded:
+        check_length(model.adapter, ids.numel(), n)
+
+    # Warm up every path once (allocator, kernels for each shape) outside the timed runs.
+    for m in methods:
+        _run(model, m, encoded[0], min(n, 8))
+
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
+    for prompt, ids in zip(prompts, encoded):
+        reference = None
+        for m in methods:
+            tokens, seconds, stats = _run(model, m, ids, n)
+            if m.method == "ar":
+                reference = tokens
+            same = tokens == reference
+            m.total.add(len(tokens), seconds, same, stats)
+            m.by_category.setdefault(prompt.category, Tally()).add(len(tokens), seconds, same, stats)
+            bar.update()
+    bar.close()
+
+    report = _report(model, methods, prompts, args)
+    print(report["markdown"])
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    if args.markdown:
+        Path(args.markdown).write_text(report["markdown"])
+    return 0
+
+
+def _run(model, m: Method, ids: torch.Tensor, n: int):
+    """One generation: (tokens without EOS, seconds, stats or None)."""
+    if m.method == "hf":
+        return (*_hf_generate(model, ids, n), None)
+    result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=max(m.draft_len, 1),
+                            max_new_tokens=n)
+    return result.tokens, result.stats.wall_s, result.stats
+
+
+@torch.inference_mode()
+def _hf_generate(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
+    hf = model.hf_model
+    eos = sorted(model.eos_ids)
+    inputs = ids.view(1, -1).to(model.adapter.device)
+    t = time.perf_counter()
+    out = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=n,
+                      eos_token_id=eos or None, pad_token_id=eos[0] if eos else None)
+    if inputs.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    tokens = out[0, inputs.shape[1]:].tolist()
+    for i, token in enumerate(tokens):
+        if token in model.eos_ids:
+            tokens = tokens[:i]
+            break
+    return tokens, seconds
+
+
+def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
+    ar = methods[0]
+    hf = next((m for m in methods if m.method == "hf"), None)
+    categories = sorted({p.category for p in prompts})
+
+    def row(m: Method, tally: Tally, ar_tally: Tally, hf_tally: Tally | None) -> dict:
+        out = {"method": m.label, "k": m.exit_layer, "gamma": m.draft_len or None, **tally.summary()}
+        out["speedup_vs_ar"] = round(tally.tokens_per_s / ar_tally.tokens_per_s, 3) if ar_tally.tokens_per_s else None
+        if hf_tally is not None and hf_tally.tokens_per_s:
+            out["speedup_vs_hf"] = round(tally.tokens_per_s / hf_tally.tokens_per_s, 3)
+        return out
+
+    overall = [row(m, m.total, ar.total, hf.total if hf else None) for m in methods]
+    per_category = {
+        c: [row(m, m.by_category[c], ar.by_category[c], hf.by_category[c] if hf else None) for m in methods]
+        for c in categories
+    }
+    setup = (
+        f"model {model.name} ({model.n_layers} layers), {args.dtype}, device {args.device}; "
+        f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
+        f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template, "
+        f"greedy, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}"
+    )
+    lines = [f"Setup: {setup}", "", _table(overall), ""]
+    for c in categories:
+        lines += [f"Category {c}:", "", _table(per_category[c]), ""]
+    return {"setup": setup, "overall": overall, "per_category": per_category, "markdown": "\n".join(lines)}
+
+
+def _table(rows: list[dict]) -> str:
+    cols = [("method", "method"), ("k", "k"), ("gamma", "γ"), ("tokens_per_s", "tok/s"),
+            ("speedup_vs_ar", "× our AR"), ("speedup_vs_hf", "× HF"), ("alpha", "α"),
+            ("mean_accepted_length", "acc/step"), ("cost", "c"), ("identical_to_ar", "= AR")]
+
+    def cell(v):
+        return "–" if v is None else str(v)
+
+    out = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(cell(r.get(key)) for key, _ in cols) + " |" for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,146 @@
+"""Losslessness on tiny random models of every supported architecture."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from selfspec.adapter import ModelAdapter, UnsupportedModelError
+from tiny_models import ARCHS, VOCAB, tiny_model
+
+PROMPT = [5, 17, 33, 2 + 1, 60, 71, 8, 90, 41]
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapter_logits_match_transformers_forward(arch):
+    model = tiny_model(arch)
+    adapter = ModelAdapter(model)
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = model(ids.view(1, -1)).logits[0]
+        cache = adapter.new_cache(32)
+        # Prefill 20 positions, then one token at a time: exercises masks and sliding windows.
+        logits = [adapter.head(adapter.run_layers(adapter.embed(ids[:20]), range(adapter.n_layers), 0, cache))]
+        for t in range(20, 30):
+            logits.append(adapter.head(adapter.run_layers(adapter.embed(ids[t:t + 1]), range(adapter.n_layers), t, cache)))
+    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_early_exit_equals_ar_equals_transformers(arch, tiny):
+    model = tiny(arch)
+    n = 40
+    ar = model.generate(PROMPT, method="ar", max_new_tokens=n)
+    assert ar.tokens == hf_greedy(model, PROMPT, n)
+    assert ar.stats.drafted == 0 and ar.stats.mean_accepted_length == 1.0
+    for k in (1, 3, 5):
+        for gamma in (1, 3, 7):
+            out = model.generate(PROMPT, method="early-exit", exit_layer=k, draft_len=gamma, max_new_tokens=n)
+            assert out.tokens == ar.tokens, (k, gamma)
+            assert out.stats.drafted > 0 and out.stats.exit_layer == k and out.stats.draft_len == gamma
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_full_depth_draft_accepts_everything(arch, tiny):
+    model = tiny(arch)
+    out = model.generate(PROMPT, exit_layer=model.n_layers, draft_len=4, max_new_tokens=31)
+    assert out.stats.alpha == 1.0
+    assert out.stats.acceptance_by_position == [1.0] * 4
+    assert out.stats.mean_accepted_length == 5.0  # γ accepted + the bonus token, every round
+    assert len(out.tokens) == 31
+
+
+def test_shallow_draft_gets_rejected_and_stats_add_up(tiny):
+    model = tiny("llama")
+    out = model.generate(PROMPT, exit_layer=1, draft_len=4, max_new_tokens=40)
+    s = out.stats
+    assert s.alpha < 1.0  # rejections happened, so the rewind path ran
+    assert 1 + s.accepted + s.rounds == s.new_tokens == 40  # prefill's token + per round accepted + 1
+    assert s.rounds - 1 <= s.drafted_at[0] <= s.rounds  # the last round may have no room to draft
+    assert s.wall_s >= s.draft_s + s.verify_s > 0
+    assert s.cost is not None and s.cost > 0
+
+
+def test_max_new_tokens_is_exact_for_every_draft_length(tiny):
+    model = tiny("qwen3")
+    for n in (1, 2, 5, 9):
+        for gamma in (1, 4, 8):
+            assert len(model.generate(PROMPT, exit_layer=2, draft_len=gamma, max_new_tokens=n).tokens) == n
+
+
+def test_eos_stops_and_is_not_returned(tiny):
+    model = tiny("llama")
+    ar = model.generate(PROMPT, method="ar", max_new_tokens=30).tokens
+    eos = ar[12]
+    first = ar.index(eos)
+    model.hf_model.generation_config.eos_token_id = eos
+    try:
+        for method, k in (("ar", None), ("early-exit", 2), ("early-exit", 6)):
+            out = model.generate(PROMPT, method=method, exit_layer=k, draft_len=5, max_new_tokens=30)
+            assert out.tokens == ar[:first]
+    finally:
+        model.hf_model.generation_config.eos_token_id = None
+
+
+def test_stream_yields_the_same_tokens_as_generate(tiny):
+    model = tiny("mistral")
+    stream = model.stream(PROMPT, exit_layer=3, draft_len=3, max_new_tokens=25)
+    chunks = [c.tokens for c in stream]
+    assert len(chunks) > 1
+    assert sum(chunks, []) == stream.result.tokens == model.generate(PROMPT, method="ar", max_new_tokens=25).tokens
+
+
+def test_bfloat16_early_exit_equals_bfloat16_ar():
+    import selfspec
+
+    model = selfspec.SelfSpecModel(tiny_model("llama", dtype=torch.bfloat16))
+    ar = model.generate(PROMPT, method="ar", max_new_tokens=30)
+    for k in (2, 4):
+        assert model.generate(PROMPT, exit_layer=k, draft_len=4, max_new_tokens=30).tokens == ar.tokens
+
+
+def test_sampled_early_exit_follows_the_target_distribution(tiny):
+    """The second generated token's marginal, under speculative sampling with a shallow draft,
+    must match the exact marginal of sampling the full model token by token."""
+    model = tiny("llama")
+    options = dict(temperature=1.5, top_k=6)
+    from selfspec.sampling import SamplingParams, logits_to_probs
+
+    params = SamplingParams(**options)
+    adapter = model.adapter
+    with torch.inference_mode():
+        def probs(ids):
+            cache = adapter.new_cache(len(ids))
+            h = adapter.run_layers(adapter.embed(torch.tensor(ids)), range(adapter.n_layers), 0, cache)
+            return logits_to_probs(adapter.head(h[:, -1:]), params)[0]
+
+        p1 = probs(PROMPT)
+        exact = torch.zeros(VOCAB)
+        for t1 in p1.nonzero().flatten().tolist():
+            exact += p1[t1] * probs(PROMPT + [t1])
+    trials = 3000
+    counts = torch.zeros(VOCAB)
+    accepted = 0
+    for seed in range(trials):
+        out = model.generate(PROMPT, exit_layer=1, draft_len=3, max_new_tokens=2, seed=seed, **options)
+        counts[out.tokens[1]] += 1
+        accepted += out.stats.accepted
+    assert accepted > 0  # drafts were accepted sometimes, so the accept path shaped the sample
+    support = exact > 0
+    assert counts[~support].sum() == 0
+    _, p_value = chisquare(counts[support].numpy(), exact[support].numpy() * trials)
+    assert p_value > 1e-3
+
+
+def test_unsupported_architecture_is_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="gpt2.*supported: .*llama"):
+        ModelAdapter(model)
