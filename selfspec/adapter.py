@@ -131,8 +131,8 @@ class ModelAdapter:
             h = h + layer.post_attention_layernorm(a)
             m = layer.mlp(layer.pre_feedforward_layernorm(h))
             return h + layer.post_feedforward_layernorm(m)
-        h = h + self._attention(i, layer.input_layernorm(h), start, cache, mask)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + self._attention(i, _rms_norm(layer.input_layernorm, h), start, cache, mask)
+        return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
 
     def _attention(self, i: int, x: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
         attn = self.layers[i].self_attn
@@ -146,7 +146,7 @@ class ModelAdapter:
         k = k.view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         spec = self.specs[i]
         cos, sin = self._rope[spec.rope]
         cos, sin = cos[start : start + n], sin[start : start + n]
@@ -171,6 +171,18 @@ class ModelAdapter:
             args = (probe, positions, rope) if self._rope_by_type else (probe, positions)
             cos, sin = self.rotary(*args)
             self._rope[rope] = (cos[0], sin[0])  # [capacity, rotary_dim]
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The Llama-family RMSNorm (statistics in float32, weight applied in the input dtype) as one
+    fused op where possible: about half the time of the module's seven small ops, same result.
+    Gemma 3's (1 + weight) norm has no `variance_epsilon` and runs as its own module."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        return norm(x)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), norm.weight.shape, None, eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
