@@ -98,6 +98,8 @@ def _generate(args) -> int:
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("the prompt is empty: give some text (or '-' to read standard input)")
     options = dict(
         method=args.method, exit_layer=args.exit_layer, draft_len=args.draft_len,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

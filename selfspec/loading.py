@@ -267,7 +267,8 @@ def load_hf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_checkpoint(name_or_path, cache=cache, progress=progress)
-    with _quiet(not progress):
+    # Loading a converted checkpoint takes seconds: no bars, only the conversion shows progress.
+    with _quiet(True):
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=dtype,

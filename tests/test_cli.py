@@ -1,0 +1,65 @@
+"""The command line, run as a user would: a subprocess, its output and exit code."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def selfspec(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "selfspec.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_help_explains_the_flags():
+    out = selfspec("generate", "--help")
+    assert out.returncode == 0
+    for flag in ("--exit-layer", "--draft-len", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
+                 "--seed", "--chat", "--no-chat", "--method", "--json", "--dtype", "--model"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", ""], "empty"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--draft-len", "0"], "draft-len"),
+    (["generate", "hi", "--model", "no-such-model"], "unknown model"),
+])
+def test_bad_input_exits_2_with_a_message(args, message):
+    out = selfspec(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.real
+def test_generate_streams_text_then_statistics():
+    out = selfspec("generate", "What is the capital of France?", "-k", "20", "-g", "3", "-n", "16")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    stats = out.stderr.strip().splitlines()[-1]
+    for field in ("tok/s", "α", "accepted/step", "k 20", "γ 3"):
+        assert field in stats
+
+
+@pytest.mark.real
+def test_generate_json_matches_ar_and_reads_stdin():
+    ee = json.loads(selfspec("generate", "-", "--json", "-n", "12", "-k", "12", stdin="Name a fruit.").stdout)
+    ar = json.loads(selfspec("generate", "Name a fruit.", "--json", "-n", "12", "--method", "ar").stdout)
+    assert ee["tokens"] == ar["tokens"] and ee["text"] == ar["text"]
+    assert ee["stats"]["exit_layer"] == 12 and ee["stats"]["drafted"] > 0
+    assert ar["stats"]["method"] == "ar" and ar["stats"]["drafted"] == 0
+
+
+@pytest.mark.real
+def test_bench_reports_every_method(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+2?"]}) + "\n")
+    report = tmp_path / "r.json"
+    out = selfspec("bench", "--prompts", str(prompts), "-n", "8", "-k", "15", "-g", "2", "--json", str(report))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    labels = [row["method"] for row in data["overall"]]
+    assert labels == ["ar (ours)", "early-exit k=15 γ=2", "transformers generate()"]
+    assert all(row["identical_to_ar"] == "1/1" for row in data["overall"])
+    assert "| method |" in out.stdout and "qa" in data["per_category"]

@@ -1,0 +1,85 @@
+"""End-to-end on the bundled real models: a few prompts, short outputs, to keep CI fast."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.real
+
+PROMPTS = ["Why is the sky blue? Answer in two sentences.", "Write a Python function that reverses a string."]
+
+
+def hf_greedy(model, ids, n):
+    out = model.hf_model.generate(ids.view(1, -1), attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=n, eos_token_id=sorted(model.eos_ids),
+                                  pad_token_id=sorted(model.eos_ids)[0])
+    tokens = out[0, ids.numel():].tolist()
+    return tokens[: next((i for i, t in enumerate(tokens) if t in model.eos_ids), len(tokens))]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm2_early_exit_is_lossless(smollm2, prompt):
+    ids = smollm2.encode(prompt)
+    ar = smollm2.generate(ids, method="ar", max_new_tokens=24)
+    assert ar.tokens == hf_greedy(smollm2, ids, 24)
+    for k, gamma in ((4, 3), (22, 4), (28, 2)):
+        out = smollm2.generate(ids, exit_layer=k, draft_len=gamma, max_new_tokens=24)
+        assert out.tokens == ar.tokens, (k, gamma)
+        assert out.text == ar.text
+
+
+def test_gemma3_early_exit_is_lossless(gemma3):
+    assert gemma3.n_layers == 18
+    ids = gemma3.encode("The capital of France is", chat=False)
+    ar = gemma3.generate(ids, method="ar", max_new_tokens=16)
+    assert ar.tokens == hf_greedy(gemma3, ids, 16)
+    for k, gamma in ((3, 3), (12, 4)):
+        assert gemma3.generate(ids, exit_layer=k, draft_len=gamma, max_new_tokens=16).tokens == ar.tokens
+
+
+def test_smollm2_full_depth_draft_accepts_everything(smollm2):
+    out = smollm2.generate(PROMPTS[0], exit_layer=30, draft_len=3, max_new_tokens=13)
+    assert out.stats.alpha == 1.0
+
+
+def test_smollm2_sampling_is_repeatable_and_text_streams(smollm2):
+    options = dict(exit_layer=20, draft_len=3, max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7)
+    a = smollm2.generate(PROMPTS[1], **options)
+    b = smollm2.generate(PROMPTS[1], **options)
+    assert a.tokens == b.tokens and a.text
+    stream = smollm2.stream(PROMPTS[1], **options)
+    assert "".join(chunk.text for chunk in stream) == stream.result.text == a.text
+
+
+def test_stop_string_cuts_text(smollm2):
+    full = smollm2.generate(PROMPTS[0], method="ar", max_new_tokens=30).text
+    word = full.split()[3]
+    cut = smollm2.generate(PROMPTS[0], exit_layer=10, draft_len=3, max_new_tokens=30, stop=[word])
+    assert cut.text == full[: full.index(word)]
+    assert word not in cut.text
+
+
+def test_chat_template_is_applied_by_default(smollm2):
+    with_chat = smollm2.encode("Hello")
+    plain = smollm2.encode("Hello", chat=False)
+    assert with_chat.numel() > plain.numel()
+    assert "<|im_start|>" in smollm2.tokenizer.decode(with_chat)
+
+
+def test_context_overflow_is_refused_before_any_work(smollm2):
+    with pytest.raises(ValueError, match="context"):
+        smollm2.stream("hi", max_new_tokens=10_000_000)
+
+
+def test_bad_arguments_get_clear_errors(smollm2):
+    with pytest.raises(ValueError, match="empty"):
+        smollm2.generate("   ")
+    with pytest.raises(ValueError, match="exit layer must be in 1..30"):
+        smollm2.generate("hi", exit_layer=31)
+    with pytest.raises(ValueError, match="exit layer"):
+        smollm2.generate("hi", exit_layer=0)
+    with pytest.raises(ValueError, match="temperature"):
+        smollm2.generate("hi", temperature=-0.5)
+    with pytest.raises(ValueError, match="draft length"):
+        smollm2.generate("hi", draft_len=0)
+    with pytest.raises(ValueError, match="unknown method"):
+        smollm2.generate("hi", method="magic")
