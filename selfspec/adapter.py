@@ -155,8 +155,12 @@ class ModelAdapter:
         end = start + n
         kv_start = 0 if spec.window is None else max(0, start - spec.window + 1)
         keys, values = cache.view(i, kv_start, end)
+        # A block that starts at key 0 with no window is plain causal: SDPA's own causal path is
+        # faster than an explicit mask (the prefill of a long prompt).
+        causal = mask is not None and kv_start == 0 and start == 0 and spec.window is None
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
+            q, keys, values, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv_heads,
         )
         return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim))
 

@@ -118,9 +118,9 @@ class SelfSpecModel:
         """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
         are raised here, before any model work."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if method != "ar" and exit_layer is None:
+        if exit_layer is None:
             exit_layer = self.default_exit_layer()
-        if exit_layer is not None and not 1 <= exit_layer <= self.n_layers:
+        if not 1 <= exit_layer <= self.n_layers:
             raise ValueError(f"exit layer must be in 1..{self.n_layers} for {self.name}, got {exit_layer}")
         drafter = make_drafter(method, exit_layer=exit_layer, draft_len=draft_len)
         ids = self.encode(prompt, chat)

@@ -1,20 +1,26 @@
-"""Drafters, one file per family, all behind the interface in `base`."""
+"""Drafters, one file per family, all behind the interface in `base`.
+
+DRAFTERS maps a method name (as the CLI and the API take it) to a factory that receives every
+option a method may use and picks its own, so adding a drafter never touches the engine or the CLI.
+"""
+
+from collections.abc import Callable
 
 from selfspec.drafters.autoregressive import Autoregressive
 from selfspec.drafters.base import Draft, DraftContext, Drafter
 from selfspec.drafters.early_exit import EarlyExit
 
-METHODS = ("ar", "early-exit")
+DRAFTERS: dict[str, Callable[..., Drafter]] = {
+    "ar": lambda **options: Autoregressive(),
+    "early-exit": lambda *, exit_layer, draft_len, **options: EarlyExit(exit_layer, draft_len),
+}
+METHODS = tuple(DRAFTERS)
 
 
-def make_drafter(method: str, *, exit_layer: int | None, draft_len: int) -> Drafter:
-    if method == "ar":
-        return Autoregressive()
-    if method == "early-exit":
-        if exit_layer is None:
-            raise ValueError("early-exit needs an exit layer k")
-        return EarlyExit(exit_layer, draft_len)
-    raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+def make_drafter(method: str, **options) -> Drafter:
+    if method not in DRAFTERS:
+        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    return DRAFTERS[method](**options)
 
 
-__all__ = ["Autoregressive", "Draft", "DraftContext", "Drafter", "EarlyExit", "METHODS", "make_drafter"]
+__all__ = ["DRAFTERS", "METHODS", "Autoregressive", "Draft", "DraftContext", "Drafter", "EarlyExit", "make_drafter"]

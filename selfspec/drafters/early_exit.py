@@ -18,6 +18,8 @@ class EarlyExit:
     name = "early-exit"
 
     def __init__(self, exit_layer: int, draft_len: int):
+        if exit_layer is None or exit_layer < 1:
+            raise ValueError(f"exit layer k must be >= 1, got {exit_layer}")
         if draft_len < 1:
             raise ValueError(f"draft length must be >= 1, got {draft_len}")
         self.exit_layer = exit_layer
