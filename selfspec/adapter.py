@@ -100,19 +100,27 @@ class ModelAdapter:
         """token ids [n] -> hidden states [1, n, hidden]."""
         return self.embed_tokens(token_ids.view(1, -1))
 
-    def run_layers(self, h: torch.Tensor, layers, start: int, cache: KVCache) -> torch.Tensor:
+    def run_layers(
+        self, h: torch.Tensor, layers, start: int, cache: KVCache, *, rowwise: bool = False
+    ) -> torch.Tensor:
         """Run `layers` (indices, in order) on h [1, n, hidden] at positions start .. start+n-1.
 
         Each layer writes its keys/values for those positions into `cache` and attends to
         the cache's earlier positions of the same layer.
+
+        rowwise=True (the verify) makes every row's result bit-identical to running its token
+        alone, as autoregressive decoding does: the projections and MLPs batch the rows (their
+        kernels are row-invariant), but attention runs one query row at a time, because CPU SDPA
+        kernels block the keys by length and give a row different rounding in a batch. In
+        bfloat16 that rounding flips greedy tokens; with it, output stays token-identical to AR.
         """
         n = h.shape[1]
         masks: dict[int | None, torch.Tensor | None] = {}
         for i in layers:
             spec = self.specs[i]
             if spec.window not in masks:
-                masks[spec.window] = _causal_mask(start, n, spec.window, self.device)
-            h = self._layer(i, h, start, cache, masks[spec.window])
+                masks[spec.window] = None if rowwise else _causal_mask(start, n, spec.window, self.device)
+            h = self._layer(i, h, start, cache, masks[spec.window], rowwise)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -124,17 +132,17 @@ class ModelAdapter:
 
     # -- one decoder layer --------------------------------------------------------------------
 
-    def _layer(self, i: int, h: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
+    def _layer(self, i: int, h: torch.Tensor, start: int, cache: KVCache, mask, rowwise: bool) -> torch.Tensor:
         layer = self.layers[i]
         if self.layout == "sandwich":
-            a = self._attention(i, layer.input_layernorm(h), start, cache, mask)
+            a = self._attention(i, layer.input_layernorm(h), start, cache, mask, rowwise)
             h = h + layer.post_attention_layernorm(a)
             m = layer.mlp(layer.pre_feedforward_layernorm(h))
             return h + layer.post_feedforward_layernorm(m)
-        h = h + self._attention(i, _rms_norm(layer.input_layernorm, h), start, cache, mask)
+        h = h + self._attention(i, _rms_norm(layer.input_layernorm, h), start, cache, mask, rowwise)
         return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
 
-    def _attention(self, i: int, x: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, start: int, cache: KVCache, mask, rowwise: bool) -> torch.Tensor:
         attn = self.layers[i].self_attn
         n = x.shape[1]
         if hasattr(attn, "qkv_proj"):  # Phi-3 fuses the three projections
@@ -152,17 +160,25 @@ class ModelAdapter:
         cos, sin = cos[start : start + n], sin[start : start + n]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         cache.write(i, start, k, v)
-        end = start + n
-        kv_start = 0 if spec.window is None else max(0, start - spec.window + 1)
-        keys, values = cache.view(i, kv_start, end)
+        if rowwise and n > 1:
+            out = torch.cat([self._sdpa(i, q[:, :, j : j + 1], start + j, cache, None) for j in range(n)], dim=2)
+        else:
+            out = self._sdpa(i, q, start, cache, mask)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim))
+
+    def _sdpa(self, i: int, q: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
+        """Attention of queries q [1, heads, n, head_dim] at start .. start+n-1 over the cache."""
+        n = q.shape[2]
+        window = self.specs[i].window
+        kv_start = 0 if window is None else max(0, start - window + 1)
+        keys, values = cache.view(i, kv_start, start + n)
         # A block that starts at key 0 with no window is plain causal: SDPA's own causal path is
         # faster than an explicit mask (the prefill of a long prompt).
-        causal = mask is not None and kv_start == 0 and start == 0 and spec.window is None
-        out = F.scaled_dot_product_attention(
+        causal = mask is not None and kv_start == 0 and start == 0 and window is None
+        return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )
-        return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim))
 
     def _ensure_rope(self, capacity: int) -> None:
         """Tabulate cos/sin for positions < capacity with the model's own rotary module."""

@@ -102,17 +102,18 @@ def decode(
 def verify_forward(
     adapter: ModelAdapter, cache: KVCache, pending: torch.Tensor, draft: Draft, start: int
 ) -> torch.Tensor:
-    """Full-model logits [γ+1, vocab] for pending + draft tokens at positions start .. start+γ."""
+    """Full-model logits [γ+1, vocab] for pending + draft tokens at positions start .. start+γ,
+    each row computed exactly as a one-token autoregressive step would (see run_layers)."""
     gamma = len(draft)
     if draft.exit_hidden is None or gamma == 0:
         h = adapter.embed(torch.cat([pending, draft.tokens]))
-        h = adapter.run_layers(h, range(adapter.n_layers), start, cache)
+        h = adapter.run_layers(h, range(adapter.n_layers), start, cache, rowwise=True)
         return adapter.head(h)
     k = draft.exit_layer
     # Layers < k ran in the draft for every position but the last draft token's: run only that one.
     last = adapter.run_layers(adapter.embed(draft.tokens[-1:]), range(k), start + gamma, cache)
     h = torch.cat([draft.exit_hidden, last], dim=1)  # [1, γ+1, hidden] at layer k
-    h = adapter.run_layers(h, range(k, adapter.n_layers), start, cache)
+    h = adapter.run_layers(h, range(k, adapter.n_layers), start, cache, rowwise=True)
     return adapter.head(h)
 
 

@@ -83,3 +83,17 @@ def test_bad_arguments_get_clear_errors(smollm2):
         smollm2.generate("hi", draft_len=0)
     with pytest.raises(ValueError, match="unknown method"):
         smollm2.generate("hi", method="magic")
+
+
+def test_smollm2_bfloat16_early_exit_equals_bfloat16_ar():
+    """bfloat16 rounds batched attention differently unless the verify runs its rows exactly as
+    AR steps (run_layers rowwise): this prompt diverged before that."""
+    import selfspec
+    from selfspec.bench import load_prompts
+
+    model = selfspec.load("smollm2", dtype="bfloat16", progress=False)
+    prompt = next(p for p in load_prompts(None, 1) if p.category == "math_reasoning").text
+    ids = model.encode(prompt)
+    ar = model.generate(ids, method="ar", max_new_tokens=40)
+    for k, gamma in ((10, 3), (28, 3)):
+        assert model.generate(ids, exit_layer=k, draft_len=gamma, max_new_tokens=40).tokens == ar.tokens
