@@ -60,7 +60,6 @@ class SelfSpecModel:
 
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
-        self._step_s: float | None = None  # one full forward, measured once: the denominator of c
 
     @property
     def n_layers(self) -> int:
@@ -128,7 +127,6 @@ class SelfSpecModel:
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
-        stats.step_s = self._step_s if drafter.draft_len else None
         check_length(self.adapter, ids.numel(), max_new_tokens)
         result = Generation(text="", tokens=[], stats=stats)
         rounds = decode(
@@ -173,7 +171,6 @@ class SelfSpecModel:
                 yield Chunk([], result.text[shown:])
         finally:
             rounds.close()
-            self._step_s = result.stats.step_s or self._step_s
 
 
 def _find_stop(text: str, stop: list[str], search_from: int) -> int | None:

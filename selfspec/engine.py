@@ -50,8 +50,6 @@ def decode(
     generator = make_generator(sampling.seed, adapter.device)
     drafter.begin(DraftContext(adapter, cache, sampling, generator, prompt_ids))
     stats.prompt_tokens = prompt_ids.numel()
-    if drafter.draft_len and stats.step_s is None:
-        stats.step_s = measure_step_time(adapter, cache, position=prompt_ids.numel())
     sync = _syncer(adapter.device)
     t0 = time.perf_counter()
 
@@ -61,16 +59,20 @@ def decode(
     cache.rewind(prompt_ids.numel())
     sync()
     stats.prefill_s = time.perf_counter() - t0
-    pending = first
-    produced = 0
+    if drafter.draft_len:  # c's denominator, at this context length (attention grows with it)
+        stats.step_s = measure_step_time(adapter, cache, position=cache.length)
+        t0 = time.perf_counter() - stats.prefill_s  # the probe is not part of decoding time
+    pending, committed, produced = first, [int(first)], 0
     try:
-        out = _commit([int(first)], eos_ids, max_new_tokens - produced)
-        produced += len(out.tokens)
-        stats.new_tokens = produced
-        if out.tokens:
-            yield out.tokens
-        finished = out.stop
-        while not finished:
+        while True:
+            # Emit what was just committed (first the prefill's token), cut at EOS or max_new_tokens.
+            out = _commit(committed, eos_ids, max_new_tokens - produced)
+            produced += len(out.tokens)
+            stats.new_tokens = produced
+            if out.tokens:
+                yield out.tokens
+            if out.stop:
+                return
             start = cache.length  # position of the pending token
             # 2. Draft: at most what could still be committed after the pending token's successor.
             t = time.perf_counter()
@@ -83,18 +85,12 @@ def decode(
             t_verify = time.perf_counter()
             stats.draft_s += t_draft - t
             stats.verify_s += t_verify - t_draft
-            # 4. Commit or rewind: pending + accepted tokens are now valid at every layer.
+            # 4. Commit or rewind: pending + accepted tokens are now valid at every layer; feed back.
             cache.rewind(start + 1 + verdict.n_accepted)
             pending = torch.tensor([verdict.tokens[-1]], device=adapter.device)
+            committed = verdict.tokens
             stats.record_round(len(draft), verdict.n_accepted)
-            # 5. Feed back.
             drafter.observe(verdict.n_accepted)
-            out = _commit(verdict.tokens, eos_ids, max_new_tokens - produced)
-            produced += len(out.tokens)
-            stats.new_tokens = produced
-            if out.tokens:
-                yield out.tokens
-            finished = out.stop
     finally:
         stats.wall_s = time.perf_counter() - t0
 
