@@ -116,7 +116,7 @@ def _generate(args) -> int:
         print(json.dumps({"model": model.name, "dtype": args.dtype, "text": result.text,
                           "tokens": result.tokens, "stats": result.stats.to_dict()}))
     else:
-        print()
+        print(flush=True)
         print(result.stats.summary(), file=sys.stderr)
     return 0
 
