@@ -80,7 +80,11 @@ class SelfSpecModel:
     def encode(self, prompt: str | Sequence[int], chat: bool | None = None) -> torch.Tensor:
         """Prompt text (or token ids) -> ids [n]. chat=None applies the chat template if the model has one."""
         if not isinstance(prompt, str):
-            return torch.as_tensor(list(prompt), dtype=torch.long)
+            ids = torch.as_tensor(list(prompt), dtype=torch.long).view(-1)
+            vocab = self.adapter.embed_tokens.num_embeddings
+            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+                raise ValueError(f"token ids must be in 0..{vocab - 1} for {self.name}")
+            return ids
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids instead of text")
         if not prompt.strip():

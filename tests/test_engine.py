@@ -144,3 +144,13 @@ def test_unsupported_architecture_is_refused_by_name():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(UnsupportedModelError, match="gpt2.*supported: .*llama"):
         ModelAdapter(model)
+
+
+def test_bad_token_ids_and_empty_prompt_are_refused(tiny):
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="token ids must be in 0..95"):
+        model.generate([1, 2, VOCAB])
+    with pytest.raises(ValueError, match="empty"):
+        model.generate([])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        model.generate("text needs a tokenizer")
