@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from selfspec.engine import check_length
+from selfspec.stats import GenerationStats
 
 
 @dataclass
@@ -34,38 +35,36 @@ class Tally:
 
     tokens: int = 0
     seconds: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    draft_s: float = 0.0
-    step_s: float = 0.0
     identical: int = 0
     runs: int = 0
+    stats: GenerationStats | None = None  # merged over the prompts; None for transformers generate()
 
-    def add(self, tokens: int, seconds: float, identical: bool, stats=None) -> None:
+    def add(self, tokens: int, seconds: float, identical: bool, stats: GenerationStats | None = None) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.identical += identical
         self.runs += 1
         if stats is not None:
-            self.drafted += stats.drafted
-            self.accepted += stats.accepted
-            self.rounds += stats.rounds
-            self.draft_s += stats.draft_s
-            self.step_s = stats.step_s or self.step_s
+            if self.stats is None:
+                self.stats = GenerationStats(stats.method, stats.exit_layer, stats.draft_len)
+            self.stats.merge(stats)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def summary(self) -> dict:
+        def rounded(x):
+            return None if x is None else round(x, 3)
+
+        stats = self.stats
         return {
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
-            "alpha": round(self.accepted / self.drafted, 3) if self.drafted else None,
-            "mean_accepted_length": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else None,
-            "cost": round(self.draft_s / self.drafted / self.step_s, 3) if self.drafted and self.step_s else None,
+            "alpha": rounded(stats.alpha) if stats else None,
+            "mean_accepted_length": rounded(stats.mean_accepted_length) if stats else None,
+            "cost": rounded(stats.cost) if stats else None,
             "identical_to_ar": f"{self.identical}/{self.runs}",
         }
 

@@ -46,6 +46,21 @@ class GenerationStats:
         for i in range(n_accepted):
             self.accepted_at[i] += 1
 
+    def merge(self, other: GenerationStats) -> None:
+        """Add another generation's counts and times, for totals over many prompts. step_s becomes
+        the drafted-token-weighted mean, so `cost` stays total draft time over the full-forward
+        time the same tokens would have taken."""
+        if other.drafted:
+            weight = self.drafted * (self.step_s or 0.0) + other.drafted * (other.step_s or 0.0)
+            self.step_s = weight / (self.drafted + other.drafted)
+        for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted",
+                     "prefill_s", "draft_s", "verify_s", "wall_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine += [0] * (len(theirs) - len(mine))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+
     @property
     def alpha(self) -> float | None:
         return self.accepted / self.drafted if self.drafted else None

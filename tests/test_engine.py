@@ -154,3 +154,20 @@ def test_bad_token_ids_and_empty_prompt_are_refused(tiny):
         model.generate([])
     with pytest.raises(ValueError, match="no tokenizer"):
         model.generate("text needs a tokenizer")
+
+
+def test_merged_stats_aggregate_alpha_and_cost_over_generations():
+    from selfspec.stats import GenerationStats
+
+    a = GenerationStats("early-exit", 2, 3, new_tokens=10, rounds=4, drafted=12, accepted=6, draft_s=1.2, step_s=0.2)
+    a.drafted_at, a.accepted_at = [4, 4, 4], [3, 2, 1]
+    b = GenerationStats("early-exit", 2, 3, new_tokens=5, rounds=2, drafted=4, accepted=1, draft_s=0.8, step_s=0.4)
+    b.drafted_at, b.accepted_at = [2, 2], [1, 0]
+    total = GenerationStats("early-exit", 2, 3)
+    total.merge(a)
+    total.merge(b)
+    assert total.alpha == 7 / 16
+    assert total.mean_accepted_length == (7 + 6) / 6
+    assert total.drafted_at == [6, 6, 4] and total.accepted_at == [4, 2, 1]
+    # c = all draft time / what the same 16 tokens would cost at full depth (12·0.2 + 4·0.4)
+    assert abs(total.cost - 2.0 / (12 * 0.2 + 4 * 0.4)) < 1e-12
