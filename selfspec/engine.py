@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -127,11 +128,9 @@ def measure_step_time(adapter: ModelAdapter, cache: KVCache, position: int, repe
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-class _Commit:
-    __slots__ = ("tokens", "stop")
-
-    def __init__(self, tokens: list[int], stop: bool):
-        self.tokens, self.stop = tokens, stop
+class _Commit(NamedTuple):
+    tokens: list[int]  # what to emit
+    stop: bool  # EOS seen or max_new_tokens reached
 
 
 def _commit(tokens: list[int], eos_ids: frozenset[int], room: int) -> _Commit:
