@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.cache import KVCache
+from selfspec.skips import SkipSet
+
+NO_SKIP = SkipSet()
 
 # model_type -> block layout. "pre-norm": Llama-style (norm before attention and MLP);
 # "sandwich": Gemma 3 (norms before and after both attention and MLP).
@@ -101,12 +104,28 @@ class ModelAdapter:
         return self.embed_tokens(token_ids.view(1, -1))
 
     def run_layers(
-        self, h: torch.Tensor, layers, start: int, cache: KVCache, *, rowwise: bool = False
+        self,
+        h: torch.Tensor,
+        layers,
+        start: int,
+        cache: KVCache,
+        *,
+        rowwise: bool = False,
+        skip: SkipSet = NO_SKIP,
+        write: bool = True,
+        record: dict | None = None,
     ) -> torch.Tensor:
         """Run `layers` (indices, in order) on h [1, n, hidden] at positions start .. start+n-1.
 
         Each layer writes its keys/values for those positions into `cache` and attends to
         the cache's earlier positions of the same layer.
+
+        skip: sublayers to leave out (a draft); a skipped attention writes nothing.
+        write=False: a probe that leaves the cache untouched: the rows attend to the cache's
+        positions < start and to their own keys. A probe may also take h [b, 1, hidden]: b
+        candidate states of one token at position `start`, each attending to the cache and itself.
+        record: if a dict, receives each sublayer's output (the residual it adds), keyed
+        ("attn", i) and ("mlp", i).
 
         rowwise=True (the verify) makes every row's result bit-identical to running its token
         alone, as autoregressive decoding does: the projections and MLPs batch the rows (their
@@ -115,12 +134,14 @@ class ModelAdapter:
         bfloat16 that rounding flips greedy tokens; with it, output stays token-identical to AR.
         """
         n = h.shape[1]
+        if h.shape[0] > 1 and (write or n > 1):
+            raise ValueError("a batch of candidate states is only supported as a one-position probe (write=False)")
         masks: dict[int | None, torch.Tensor | None] = {}
         for i in layers:
             spec = self.specs[i]
             if spec.window not in masks:
                 masks[spec.window] = None if rowwise else _causal_mask(start, n, spec.window, self.device)
-            h = self._layer(i, h, start, cache, masks[spec.window], rowwise)
+            h = self._layer(i, h, start, cache, masks[spec.window], rowwise, skip, write, record)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -132,39 +153,53 @@ class ModelAdapter:
 
     # -- one decoder layer --------------------------------------------------------------------
 
-    def _layer(self, i: int, h: torch.Tensor, start: int, cache: KVCache, mask, rowwise: bool) -> torch.Tensor:
+    def _layer(self, i, h, start, cache, mask, rowwise, skip, write, record) -> torch.Tensor:
         layer = self.layers[i]
-        if self.layout == "sandwich":
-            a = self._attention(i, layer.input_layernorm(h), start, cache, mask, rowwise)
-            h = h + layer.post_attention_layernorm(a)
-            m = layer.mlp(layer.pre_feedforward_layernorm(h))
-            return h + layer.post_feedforward_layernorm(m)
-        h = h + self._attention(i, _rms_norm(layer.input_layernorm, h), start, cache, mask, rowwise)
-        return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+        sandwich = self.layout == "sandwich"
+        if i not in skip.attn:
+            x = layer.input_layernorm(h) if sandwich else _rms_norm(layer.input_layernorm, h)
+            a = self._attention(i, x, start, cache, mask, rowwise, write)
+            if sandwich:
+                a = layer.post_attention_layernorm(a)
+            if record is not None:
+                record["attn", i] = a
+            h = h + a
+        if i not in skip.mlp:
+            x = layer.pre_feedforward_layernorm(h) if sandwich else _rms_norm(layer.post_attention_layernorm, h)
+            m = layer.mlp(x)
+            if sandwich:
+                m = layer.post_feedforward_layernorm(m)
+            if record is not None:
+                record["mlp", i] = m
+            h = h + m
+        return h
 
-    def _attention(self, i: int, x: torch.Tensor, start: int, cache: KVCache, mask, rowwise: bool) -> torch.Tensor:
+    def _attention(self, i, x, start, cache, mask, rowwise, write=True) -> torch.Tensor:
         attn = self.layers[i].self_attn
-        n = x.shape[1]
+        b, n = x.shape[:2]
         if hasattr(attn, "qkv_proj"):  # Phi-3 fuses the three projections
             q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             q, k, v = attn.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q = q.view(1, n, self.n_heads, self.head_dim).transpose(1, 2)  # [1, heads, n, head_dim]
-        k = k.view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)  # [b, heads, n, head_dim]
+        k = k.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before rotary
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         spec = self.specs[i]
         cos, sin = self._rope[spec.rope]
         cos, sin = cos[start : start + n], sin[start : start + n]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        cache.write(i, start, k, v)
-        if rowwise and n > 1:
+        if not write:
+            out = self._sdpa_probe(i, q, k, v, start, cache, mask)
+        elif rowwise and n > 1:
+            cache.write(i, start, k, v)
             out = torch.cat([self._sdpa(i, q[:, :, j : j + 1], start + j, cache, None) for j in range(n)], dim=2)
         else:
+            cache.write(i, start, k, v)
             out = self._sdpa(i, q, start, cache, mask)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim))
+        return attn.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
 
     def _sdpa(self, i: int, q: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
         """Attention of queries q [1, heads, n, head_dim] at start .. start+n-1 over the cache."""
@@ -178,6 +213,19 @@ class ModelAdapter:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+
+    def _sdpa_probe(self, i, q, k, v, start, cache, mask) -> torch.Tensor:
+        """Attention over the cache's positions < start plus the queries' own keys k, v
+        [b, kv_heads, n, head_dim], without writing them anywhere."""
+        b = q.shape[0]
+        window = self.specs[i].window
+        kv_start = 0 if window is None else max(0, start - window + 1)
+        keys, values = cache.view(i, kv_start, start)
+        keys = torch.cat([keys.expand(b, -1, -1, -1), k], dim=2)
+        values = torch.cat([values.expand(b, -1, -1, -1), v], dim=2)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
         )
 
     def _ensure_rope(self, capacity: int) -> None:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.adapter import ModelAdapter
-from selfspec.drafters import make_drafter
+from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import check_length, decode
 from selfspec.loading import LoadedModel, load_hf
+from selfspec.profiles import ModelIdentity, load_profile
 from selfspec.sampling import SamplingParams
+from selfspec.skips import SkipSet
 from selfspec.stats import GenerationStats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,9 +59,13 @@ class SelfSpecModel:
     tokenizer: object | None = None  # None: prompts must be token ids
     name: str = "model"
     adapter: ModelAdapter = field(init=False)
+    # Drafters by their options, kept for the session: adaptive ones (SWIFT) carry what they
+    # learned on one prompt over to the next.
+    _drafters: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
+        self.identity = ModelIdentity.of(self.hf_model, self.name)
 
     @property
     def n_layers(self) -> int:
@@ -109,7 +115,14 @@ class SelfSpecModel:
         *,
         method: str = "early-exit",
         exit_layer: int | None = None,
-        draft_len: int = 4,
+        draft_len: int | None = None,
+        threshold: float | None = None,
+        skip: SkipSet | str | None = None,
+        skip_ratio: float | None = None,
+        every: int | None = None,
+        ngram: int | None = None,
+        profile: str | None = None,
+        drafter: Drafter | None = None,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -119,13 +132,35 @@ class SelfSpecModel:
         chat: bool | None = None,
     ) -> Stream:
         """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
-        are raised here, before any model work."""
+        are raised here, before any model work.
+
+        method: a drafter name (see selfspec.drafters.METHODS). Its knobs, None meaning the
+        drafter's default: exit_layer k (early-exit, hybrid), draft_len γ (the most tokens per
+        round for adaptive drafters), threshold (confidence stop on the draft's top-1
+        probability), skip (layer-skip's sublayers, a SkipSet or 'attn:1,3 mlp:2-5'), skip_ratio
+        (share of sublayers SWIFT, CLaSp and ConfLayers skip), every (rounds between CLaSp and
+        ConfLayers re-optimisations; SWIFT's Bayesian-proposal interval), ngram (lookup's longest
+        n-gram), profile (a profile file instead of this model's saved one). drafter: a drafter
+        instance to use instead (its state carries over between calls).
+        """
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if exit_layer is None:
             exit_layer = self.default_exit_layer()
         if not 1 <= exit_layer <= self.n_layers:
             raise ValueError(f"exit layer must be in 1..{self.n_layers} for {self.name}, got {exit_layer}")
-        drafter = make_drafter(method, exit_layer=exit_layer, draft_len=draft_len)
+        if isinstance(skip, str):
+            skip = SkipSet.parse(skip)
+        if skip is not None:
+            skip.check(self.n_layers)
+        if drafter is None:
+            options = dict(exit_layer=exit_layer, draft_len=draft_len, threshold=threshold, skip=skip,
+                           skip_ratio=skip_ratio, every=every, ngram=ngram, profile=profile)
+            key = (method, *options.items())
+            if key not in self._drafters:
+                self._drafters[key] = make_drafter(
+                    method, **{**options, "profile": load_profile(self.identity, profile)}
+                )
+            drafter = self._drafters[key]
         ids = self.encode(prompt, chat)
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         if stop and self.tokenizer is None:

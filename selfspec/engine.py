@@ -49,7 +49,8 @@ def decode(
     check_length(adapter, prompt_ids.numel(), max_new_tokens)
     cache = adapter.new_cache(prompt_ids.numel() + max_new_tokens + drafter.draft_len + 1)
     generator = make_generator(sampling.seed, adapter.device)
-    drafter.begin(DraftContext(adapter, cache, sampling, generator, prompt_ids))
+    ctx = DraftContext(adapter, cache, sampling, generator, prompt_ids, prompt_ids.tolist(), stats)
+    drafter.begin(ctx)
     stats.prompt_tokens = prompt_ids.numel()
     sync = _syncer(adapter.device)
     t0 = time.perf_counter()
@@ -64,6 +65,7 @@ def decode(
         stats.step_s = measure_step_time(adapter, cache, position=cache.length)
         t0 = time.perf_counter() - stats.prefill_s  # the probe is not part of decoding time
     pending, committed, produced = first, [int(first)], 0
+    ctx.committed.append(int(first))
     try:
         while True:
             # Emit what was just committed (first the prefill's token), cut at EOS or max_new_tokens.
@@ -76,7 +78,7 @@ def decode(
                 return
             start = cache.length  # position of the pending token
             # 2. Draft: at most what could still be committed after the pending token's successor.
-            t = time.perf_counter()
+            t, searched = time.perf_counter(), stats.search_s
             draft = drafter.propose(pending, start, max_new_tokens - produced - 1)
             sync()
             t_draft = time.perf_counter()
@@ -84,12 +86,13 @@ def decode(
             target_logits = verify_forward(adapter, cache, pending, draft, start)  # [γ+1, vocab]
             verdict = _verify(draft, target_logits, sampling, generator)
             t_verify = time.perf_counter()
-            stats.draft_s += t_draft - t
+            stats.draft_s += t_draft - t - (stats.search_s - searched)
             stats.verify_s += t_verify - t_draft
             # 4. Commit or rewind: pending + accepted tokens are now valid at every layer; feed back.
             cache.rewind(start + 1 + verdict.n_accepted)
             pending = torch.tensor([verdict.tokens[-1]], device=adapter.device)
             committed = verdict.tokens
+            ctx.committed += committed
             stats.record_round(len(draft), verdict.n_accepted)
             drafter.observe(verdict.n_accepted)
     finally:

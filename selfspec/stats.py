@@ -32,6 +32,8 @@ class GenerationStats:
     verify_s: float = 0.0
     wall_s: float = 0.0  # prefill + all rounds, the figure tokens/s divides by
     step_s: float | None = None  # one full one-token forward, measured, for c
+    search_s: float = 0.0  # time adaptive drafters spent choosing layers (not in draft_s)
+    searches: int = 0  # how many times they did
 
     def record_round(self, n_drafted: int, n_accepted: int) -> None:
         self.rounds += 1
@@ -54,7 +56,7 @@ class GenerationStats:
             weight = self.drafted * (self.step_s or 0.0) + other.drafted * (other.step_s or 0.0)
             self.step_s = weight / (self.drafted + other.drafted)
         for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted",
-                     "prefill_s", "draft_s", "verify_s", "wall_s"):
+                     "prefill_s", "draft_s", "verify_s", "wall_s", "search_s", "searches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
             mine += [0] * (len(theirs) - len(mine))

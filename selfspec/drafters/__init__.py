@@ -1,7 +1,9 @@
 """Drafters, one file per family, all behind the interface in `base`.
 
-DRAFTERS maps a method name (as the CLI and the API take it) to a factory that receives every
-option a method may use and picks its own, so adding a drafter never touches the engine or the CLI.
+DRAFTERS maps a method name (as the CLI and the API take it) to a factory. Every factory receives
+the same keyword options (model, exit_layer, draft_len, threshold, skip, skip_ratio, every,
+profile, ...), with None meaning "the drafter's own default", and picks the ones it uses; adding a
+drafter never touches the engine or the CLI.
 """
 
 from collections.abc import Callable
@@ -10,9 +12,64 @@ from selfspec.drafters.autoregressive import Autoregressive
 from selfspec.drafters.base import Draft, DraftContext, Drafter
 from selfspec.drafters.early_exit import EarlyExit
 
+
+def _given(options: dict, *names: str) -> dict:
+    """The named options that were actually given (not None)."""
+    return {name: options[name] for name in names if options.get(name) is not None}
+
+
+def _early_exit(**o) -> Drafter:
+    return EarlyExit(o["exit_layer"], o.get("draft_len") or 4)
+
+
+def _layer_skip(**o) -> Drafter:
+    from selfspec.drafters.layer_skip import LayerSkip
+
+    return LayerSkip(profile=o.get("profile"), **_given(o, "skip", "draft_len", "threshold"))
+
+
+def _swift(**o) -> Drafter:
+    from selfspec.drafters.swift import Swift
+
+    return Swift(**_given(o, "draft_len", "threshold", "skip_ratio", "every"))
+
+
+def _clasp(**o) -> Drafter:
+    from selfspec.drafters.clasp import Clasp
+
+    return Clasp(**_given(o, "draft_len", "threshold", "skip_ratio", "every"))
+
+
+def _conflayers(**o) -> Drafter:
+    from selfspec.drafters.conflayers import ConfLayers
+
+    return ConfLayers(**_given(o, "draft_len", "threshold", "skip_ratio", "every"))
+
+
+def _lookup(**o) -> Drafter:
+    from selfspec.drafters.lookup import PromptLookup
+
+    return PromptLookup(**_given(o, "draft_len", "ngram"))
+
+
+def _hybrid(**o) -> Drafter:
+    from selfspec.drafters.hybrid import Hybrid
+    from selfspec.drafters.lookup import PromptLookup
+
+    lookup = PromptLookup(**_given(o, "draft_len", "ngram"))
+    fallback = _layer_skip(**o) if o.get("skip") or (o.get("profile") or {}).get("layer-skip") else _early_exit(**o)
+    return Hybrid(lookup, fallback)
+
+
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "ar": lambda **options: Autoregressive(),
-    "early-exit": lambda *, exit_layer, draft_len, **options: EarlyExit(exit_layer, draft_len),
+    "early-exit": _early_exit,
+    "layer-skip": _layer_skip,
+    "swift": _swift,
+    "clasp": _clasp,
+    "conflayers": _conflayers,
+    "lookup": _lookup,
+    "hybrid": _hybrid,
 }
 METHODS = tuple(DRAFTERS)
 

@@ -15,6 +15,7 @@ import torch
 from selfspec.adapter import ModelAdapter
 from selfspec.cache import KVCache
 from selfspec.sampling import SamplingParams
+from selfspec.stats import GenerationStats
 
 
 @dataclass
@@ -24,6 +25,12 @@ class DraftContext:
     sampling: SamplingParams
     generator: torch.Generator | None
     prompt_ids: torch.Tensor  # [prompt_len]
+    # Every token fed or to be fed, by position: the prompt, then each committed token; the last
+    # entry is the pending token. The engine appends; drafters only read (lookup, matchness).
+    committed: list[int]
+    # This generation's statistics: drafters that spend time choosing layers add it to
+    # stats.search_s (and count stats.searches), so it is not mistaken for draft time.
+    stats: GenerationStats
 
 
 @dataclass
@@ -50,4 +57,6 @@ class Drafter(Protocol):
         """Draft up to min(γ, max_len) tokens after `pending` (a [1] tensor at position `start`)."""
         ...
 
-    def observe(self, n_accepted: int) -> None: ...
+    def observe(self, n_accepted: int) -> None:
+        """After each verify: how many of the last draft's tokens were accepted."""
+        ...

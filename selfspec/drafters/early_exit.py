@@ -3,7 +3,7 @@
 The draft writes the KV of layers < k for every token it feeds; those entries are exactly what
 the full model computes for the same token, so the verify reuses them together with the exit
 hidden states and only runs layers >= k over the draft (plus layers < k for the last draft
-token, which the draft never fed).
+token, which the draft never fed). It is the shallow draft with the skip set "layers k .. L-1".
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafters.base import Draft, DraftContext
-from selfspec.sampling import logits_to_probs, sample
+from selfspec.drafters.shallow import draft_shallow
+from selfspec.skips import SkipSet
 
 
 class EarlyExit:
@@ -30,32 +31,10 @@ class EarlyExit:
         if not 1 <= self.exit_layer <= n:
             raise ValueError(f"exit layer must be in 1..{n} for this {n}-layer model, got {self.exit_layer}")
         self.ctx = ctx
-        self.layers = range(self.exit_layer)
+        self.skip = SkipSet.early_exit(self.exit_layer, n)
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
-        ctx, adapter = self.ctx, self.ctx.adapter
-        gamma = min(self.draft_len, max_len)
-        token = pending
-        tokens, hidden, probs = [], [], []
-        for i in range(gamma):
-            h = adapter.run_layers(adapter.embed(token), self.layers, start + i, ctx.cache)  # [1, 1, hidden]
-            logits = adapter.head(h)  # [1, vocab]
-            if ctx.sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits, ctx.sampling)
-                token = sample(q, ctx.generator).view(1)
-                probs.append(q)
-            tokens.append(token)
-            hidden.append(h)
-        if gamma == 0:
-            return Draft(tokens=pending.new_empty(0))
-        return Draft(
-            tokens=torch.cat(tokens),
-            draft_probs=torch.cat(probs) if probs else None,
-            exit_layer=self.exit_layer,
-            exit_hidden=torch.cat(hidden, dim=1),
-        )
+        return draft_shallow(self.ctx, self.skip, pending, start, min(self.draft_len, max_len))
 
     def observe(self, n_accepted: int) -> None:
         pass

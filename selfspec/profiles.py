@@ -1,0 +1,87 @@
+"""Profiles: what offline search and tuning found for one model, as plain JSON.
+
+A profile is tied to the model's identity, its name and a hash of its architecture config, so a
+profile found for one model is never silently used with another. One file per model under
+`cache_root()/profiles/`, one section per method (e.g. "layer-skip" from `selfspec search`):
+
+    {"format": 1, "identity": {"name": ..., "config_hash": ...},
+     "layer-skip": {"skip": {"attn": [...], "mlp": [...]}, ...}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from selfspec.loading import cache_root
+
+FORMAT = 1
+# Config keys that do not change what the layers compute: left out of the hash.
+_VOLATILE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "use_cache",
+             "_attn_implementation_autoset", "attn_implementation", "output_attentions", "output_hidden_states"}
+
+
+class ProfileMismatchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str
+    config_hash: str  # sha256 of the architecture config, first 16 hex digits
+
+    @classmethod
+    def of(cls, hf_model, name: str) -> ModelIdentity:
+        config = hf_model.config.to_dict()
+        kept = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE}
+        digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return cls(name=name, config_hash=digest)
+
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name).strip("_") + "-" + self.config_hash
+
+
+def profile_path(identity: ModelIdentity) -> Path:
+    return cache_root() / "profiles" / f"{identity.slug()}.json"
+
+
+def load_profile(identity: ModelIdentity, path: str | Path | None = None) -> dict:
+    """The profile of this model ({} if there is none at the default place). An explicit `path`
+    must exist and must belong to this model."""
+    explicit = path is not None
+    path = Path(path) if explicit else profile_path(identity)
+    if not path.is_file():
+        if explicit:
+            raise FileNotFoundError(f"no profile at {path}")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"profile {path} is not valid JSON ({err}); delete it or run the search again") from None
+    found = data.get("identity", {})
+    if data.get("format") != FORMAT or found != asdict(identity):
+        raise ProfileMismatchError(
+            f"profile {path} belongs to {found.get('name')!r} (config {found.get('config_hash')}), not to "
+            f"{identity.name!r} (config {identity.config_hash}); run the search for this model"
+        )
+    return data
+
+
+def save_section(identity: ModelIdentity, section: str, content: dict, path: str | Path | None = None) -> Path:
+    """Write (or replace) one method's section of this model's profile, atomically."""
+    path = Path(path) if path is not None else profile_path(identity)
+    data = load_profile(identity, path) if path.is_file() else {}
+    data.update(format=FORMAT, identity=asdict(identity))
+    data[section] = content
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
