@@ -1,5 +1,6 @@
-"""`selfspec bench`: our AR, early-exit at each (k, γ), and transformers' greedy generate(), on the
-same Spec-Bench prompts in one process, greedy, batch 1.
+"""`selfspec bench`: our AR, each chosen drafter (early-exit at each (k, γ); layer-skip, SWIFT,
+CLaSp, ConfLayers, lookup, hybrid with their defaults or profiles) and transformers' greedy
+generate(), on the same Spec-Bench prompts in one process, greedy, batch 1.
 
 Methods run interleaved prompt by prompt, so machine noise spreads over all of them. Every output
 is compared token by token with our AR's: a speedup only counts if the output is the same.
@@ -65,6 +66,7 @@ class Tally:
             "alpha": rounded(stats.alpha) if stats else None,
             "mean_accepted_length": rounded(stats.mean_accepted_length) if stats else None,
             "cost": rounded(stats.cost) if stats else None,
+            "search_s": rounded(stats.search_s) if stats and stats.searches else None,
             "identical_to_ar": f"{self.identical}/{self.runs}",
         }
 
@@ -72,33 +74,44 @@ class Tally:
 @dataclass
 class Method:
     label: str
-    method: str  # "ar", "early-exit" or "hf" (transformers generate)
+    method: str  # a drafter name, or "hf" (transformers generate)
     exit_layer: int | None = None
-    draft_len: int = 0
+    draft_len: int | None = None  # None: the drafter's own default
     total: Tally = field(default_factory=Tally)
     by_category: dict[str, Tally] = field(default_factory=dict)
 
 
-def load_prompts(path: str | None, per_category: int) -> list[Prompt]:
+def load_prompts(path: str | None, per_category: int, default: str = "spec_bench_subset.jsonl") -> list[Prompt]:
+    """Prompts from a Spec-Bench style JSONL file (rows with "turns", or "prompt"/"text", and an
+    optional "category"), a plain text file (one prompt per line), or a bundled set; the first
+    `per_category` of each category."""
     if path is None:
-        text = resources.files("selfspec").joinpath("data/spec_bench_subset.jsonl").read_text()
+        text, path = resources.files("selfspec").joinpath(f"data/{default}").read_text(), None
     else:
         text = Path(path).read_text()
+    jsonl = path is None or str(path).endswith((".jsonl", ".json")) or text.lstrip().startswith("{")
     taken: dict[str, int] = {}
     prompts = []
     for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-            category, turn = row.get("category", "all"), row["turns"][0]
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
-            raise ValueError(f"{path}:{line_no}: not a Spec-Bench row (needs 'turns': [text, ...]): {err}") from err
+        if jsonl:
+            try:
+                row = json.loads(line)
+                turn = row["turns"][0] if "turns" in row else row.get("prompt", row.get("text"))
+                if not isinstance(turn, str):
+                    raise KeyError("turns")
+                category = row.get("category", "all")
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as err:
+                raise ValueError(f"{path}:{line_no}: not a prompt row (needs 'turns': [text, ...] or "
+                                 f"'prompt': text): {err}") from err
+        else:
+            row, category, turn = {}, "all", line.strip()
         if taken.get(category, 0) < per_category:
             taken[category] = taken.get(category, 0) + 1
             prompts.append(Prompt(row.get("question_id", line_no), category, turn))
     if not prompts:
-        raise ValueError(f"no prompts found in {path or 'the bundled subset'}")
+        raise ValueError(f"no prompts found in {path or 'the bundled ' + default}")
     return prompts
 
 
@@ -119,10 +132,7 @@ def run_bench(args) -> int:
 
     prompts = load_prompts(args.prompts, args.per_category)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
-    exit_layers = args.exit_layer or [model.default_exit_layer()]
-    draft_lens = args.draft_len or [4]
-    methods = [Method("ar (ours)", "ar")]
-    methods += [Method(f"early-exit k={k} γ={g}", "early-exit", k, g) for k in exit_layers for g in draft_lens]
+    methods = [Method("ar (ours)", "ar")] + _methods(args, model)
     if not args.no_hf:
         methods.append(Method("transformers generate()", "hf"))
     encoded = [model.encode(p.text) for p in prompts]
@@ -156,11 +166,39 @@ def run_bench(args) -> int:
     return 0
 
 
+def _methods(args, model) -> list[Method]:
+    """The drafters to run: early-exit for every (k, γ) asked; any other drafter once, with the
+    first γ asked (or its own default) and its profile when the model has one."""
+    from selfspec.drafters import METHODS
+
+    names = [name for entry in (args.method or ["early-exit"]) for name in entry.split(",")]
+    if "all" in names:
+        names = [m for m in METHODS if m != "ar"]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from: all, {', '.join(METHODS)}")
+    exit_layers = args.exit_layer or [model.default_exit_layer()]
+    draft_lens = args.draft_len or [None]
+    out = []
+    for name in dict.fromkeys(names):
+        if name == "ar":
+            continue
+        if name == "early-exit":
+            out += [Method(f"early-exit k={k} γ={g or 4}", name, k, g or 4) for k in exit_layers for g in draft_lens]
+        elif name == "hybrid":
+            out.append(Method(f"hybrid (lookup, else early-exit k={exit_layers[0]})", name, exit_layers[0],
+                              draft_lens[0]))
+        else:
+            out.append(Method(name if draft_lens[0] is None else f"{name} γ≤{draft_lens[0]}", name,
+                              None, draft_lens[0]))
+    return out
+
+
 def _run(model, m: Method, ids: torch.Tensor, n: int):
     """One generation: (tokens without EOS, seconds, stats or None)."""
     if m.method == "hf":
         return (*_hf_generate(model, ids, n), None)
-    result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=max(m.draft_len, 1),
+    result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
                             max_new_tokens=n)
     return result.tokens, result.stats.wall_s, result.stats
 
@@ -190,7 +228,8 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
     categories = sorted({p.category for p in prompts})
 
     def row(m: Method, tally: Tally, ar_tally: Tally, hf_tally: Tally | None) -> dict:
-        out = {"method": m.label, "k": m.exit_layer, "gamma": m.draft_len or None, **tally.summary()}
+        gamma = tally.stats.draft_len if tally.stats else None
+        out = {"method": m.label, "k": m.exit_layer, "gamma": gamma or None, **tally.summary()}
         out["speedup_vs_ar"] = round(tally.tokens_per_s / ar_tally.tokens_per_s, 3) if ar_tally.tokens_per_s else None
         if hf_tally is not None and hf_tally.tokens_per_s:
             out["speedup_vs_hf"] = round(tally.tokens_per_s / hf_tally.tokens_per_s, 3)
@@ -216,7 +255,8 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
 def _table(rows: list[dict]) -> str:
     cols = [("method", "method"), ("k", "k"), ("gamma", "γ"), ("tokens_per_s", "tok/s"),
             ("speedup_vs_ar", "× our AR"), ("speedup_vs_hf", "× HF"), ("alpha", "α"),
-            ("mean_accepted_length", "acc/step"), ("cost", "c"), ("identical_to_ar", "= AR")]
+            ("mean_accepted_length", "acc/step"), ("cost", "c"), ("search_s", "search s"),
+            ("identical_to_ar", "= AR")]
 
     def cell(v):
         return "–" if v is None else str(v)

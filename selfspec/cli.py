@@ -1,4 +1,4 @@
-"""The `selfspec` command: one entry point, subcommands `generate` and `bench`."""
+"""The `selfspec` command: one entry point, subcommands `generate`, `search` and `bench`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,31 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                         "else ~/.cache/selfspec)")
 
 
+METHOD_HELP = (
+    "how the draft is made: early-exit (layers < k, default), layer-skip (a skip set found by "
+    "`selfspec search`, Draft & Verify), swift (layer set searched during decoding), clasp (layer set by "
+    "dynamic programming per context), conflayers (confidence-adaptive skipping), lookup (copy from the "
+    "prompt/output, no model), hybrid (lookup when it matches, else early exit), ar (no draft; the baseline)"
+)
+
+
+def _drafter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threshold", type=float, default=None,
+                   help="confidence stop: end a draft after a token whose draft top-1 probability is below this "
+                        "(layer-skip: the starting value of its adaptive threshold; default per method, 0.8)")
+    p.add_argument("--skip", default=None,
+                   help="layer-skip's sublayers to skip, e.g. 'attn:3,5 mlp:10-14' or '10-19' (whole layers); "
+                        "default: the model's profile from `selfspec search`")
+    p.add_argument("--skip-ratio", type=float, default=None,
+                   help="share of layers/sublayers swift, clasp and conflayers skip (default per method)")
+    p.add_argument("--every", type=int, default=None,
+                   help="rounds between clasp/conflayers re-optimisations; swift: iterations between "
+                        "Bayesian proposals (default per method)")
+    p.add_argument("--ngram", type=int, default=None, help="lookup/hybrid: longest n-gram to match (default 3)")
+    p.add_argument("--profile", default=None,
+                   help="a profile JSON file to use instead of this model's saved one (must match the model)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="selfspec",
@@ -39,12 +64,13 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "(tokens, tokens/s, α, accepted tokens per step, k, γ, c) follows on stderr.")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text; '-' or nothing reads standard input")
     _model_options(g)
-    g.add_argument("--method", default="early-exit", choices=list(METHODS),
-                   help="early-exit: draft with layers < k (default); ar: plain autoregressive decoding, "
-                        "the same engine without a draft, for comparison")
+    g.add_argument("--method", default="early-exit", choices=list(METHODS), help=METHOD_HELP)
     g.add_argument("--exit-layer", "-k", type=int, default=None,
                    help="exit layer k: the draft runs layers 0..k-1 (default: 3/4 of the model's depth)")
-    g.add_argument("--draft-len", "-g", type=int, default=4, help="draft length γ, tokens per round (default 4)")
+    g.add_argument("--draft-len", "-g", type=int, default=None,
+                   help="draft length γ, tokens per round; the cap for adaptive methods (default: early-exit 4, "
+                        "layer-skip 8, swift 25, others per method)")
+    _drafter_options(g)
     g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="most tokens to generate (default 128)")
     g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0: off)")
@@ -55,11 +81,32 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="apply the model's chat template (default: when the model has one)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, statistics) instead")
 
-    b = sub.add_parser("bench", help="benchmark AR, early-exit and transformers generate() on Spec-Bench prompts",
-                       description="Run our AR, early-exit for each (k, γ) and transformers' own greedy generate() "
-                                   "on the same prompts in one process; print tokens/s, α, mean accepted length and "
-                                   "speedups per method and per category, and check every output against our AR.")
+    s = sub.add_parser("search", help="find the layer-skip set for this model (Bayesian optimisation)",
+                       description="Search, offline, which attention and MLP sublayers the layer-skip draft should "
+                                   "skip: Bayesian optimisation of measured tokens/s on calibration prompts (Draft & "
+                                   "Verify). Saves the best set to the model's profile, which `generate --method "
+                                   "layer-skip` and `bench` then use.")
+    _model_options(s)
+    s.add_argument("--prompts", default=None,
+                   help="calibration prompts: JSONL (turns or prompt per row) or text (one per line); default: the "
+                        "bundled calibration set (Spec-Bench questions not in the benchmark subset)")
+    s.add_argument("--num-prompts", type=int, default=2, help="calibration prompts to use (default 2)")
+    s.add_argument("--max-new-tokens", "-n", type=int, default=32, help="tokens per prompt per trial (default 32)")
+    s.add_argument("--iterations", type=int, default=40, help="skip sets to measure (default 40; ~10 s each here)")
+    s.add_argument("--draft-len", "-g", type=int, default=8, help="the most draft tokens per round (default 8)")
+    s.add_argument("--threshold", type=float, default=0.8, help="initial adaptive stop threshold (default 0.8)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the optimiser (default 0)")
+    s.add_argument("--output", default=None, help="profile file to write (default: the model's profile in the cache)")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    b = sub.add_parser("bench", help="benchmark AR, the drafters and transformers generate() on Spec-Bench prompts",
+                       description="Run our AR, the chosen drafters and transformers' own greedy generate() "
+                                   "on the same prompts in one process; print tokens/s, α, mean accepted length, c "
+                                   "and speedups per method and per category, and check every output against our AR.")
     _model_options(b)
+    b.add_argument("--method", action="append", default=None,
+                   help="drafter(s) to run, repeatable or comma-separated, or 'all' (default early-exit); "
+                        f"from: {', '.join(m for m in METHODS if m != 'ar')}")
     b.add_argument("--prompts", default=None,
                    help="Spec-Bench style JSONL (question_id, category, turns); default: the bundled subset "
                         "(first 5 per category group)")
@@ -82,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "search":
+            return _search(args)
         from selfspec.bench import run_bench
 
         return run_bench(args)
@@ -103,7 +152,8 @@ def _generate(args) -> int:
     options = dict(
         method=args.method, exit_layer=args.exit_layer, draft_len=args.draft_len,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
+        top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, threshold=args.threshold,
+        skip=args.skip, skip_ratio=args.skip_ratio, every=args.every, ngram=args.ngram, profile=args.profile,
     )
     _check_options(options)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
@@ -126,12 +176,50 @@ def _check_options(options: dict) -> None:
     from selfspec.sampling import SamplingParams
 
     SamplingParams(temperature=options["temperature"], top_k=options["top_k"], top_p=options["top_p"])
-    if options["draft_len"] < 1:
+    if options["skip"] is not None:
+        from selfspec.skips import SkipSet
+
+        options["skip"] = SkipSet.parse(options["skip"])
+    for name in ("every", "ngram"):
+        if options[name] is not None and options[name] < 1:
+            raise ValueError(f"--{name} must be >= 1, got {options[name]}")
+    if options["skip_ratio"] is not None and not 0 < options["skip_ratio"] < 1:
+        raise ValueError(f"--skip-ratio must be in (0, 1), got {options['skip_ratio']}")
+    if options["draft_len"] is not None and options["draft_len"] < 1:
         raise ValueError(f"--draft-len must be >= 1, got {options['draft_len']}")
     if options["max_new_tokens"] < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {options['max_new_tokens']}")
     if options["exit_layer"] is not None and options["exit_layer"] < 1:
         raise ValueError(f"--exit-layer must be >= 1, got {options['exit_layer']}")
+
+
+def _search(args) -> int:
+    import selfspec
+    from selfspec.bench import load_prompts
+    from selfspec.drafters.layer_skip import SECTION
+    from selfspec.profiles import save_section
+    from selfspec.search import search_skip_set
+
+    if args.iterations < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.draft_len < 1:
+        raise ValueError("--iterations, --num-prompts, --max-new-tokens and --draft-len must be >= 1")
+    prompts = [p.text for p in load_prompts(args.prompts, 10**9, default="calibration.jsonl")][: args.num_prompts]
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    result = search_skip_set(model, prompts, iterations=args.iterations, max_new_tokens=args.max_new_tokens,
+                             draft_len=args.draft_len, threshold=args.threshold, seed=args.seed,
+                             progress=not args.json)
+    section = result.profile_section(draft_len=args.draft_len, threshold=args.threshold, prompts=len(prompts),
+                                     max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+    path = save_section(model.identity, SECTION, section, args.output)
+    if args.json:
+        print(json.dumps({"model": model.name, "profile": str(path), **section}))
+    else:
+        b = result.best
+        print(f"best skip set: {b.skip.describe()} ({len(b.skip)} of {2 * model.n_layers} sublayers)")
+        print(f"  {b.tokens_per_s:.1f} tok/s vs AR {result.ar_tokens_per_s:.1f} tok/s ({result.speedup:.2f}×), "
+              f"α {b.alpha if b.alpha is None else round(b.alpha, 2)}, c {b.cost if b.cost is None else round(b.cost, 2)}, "
+              f"{len(result.trials)} sets measured on {len(prompts)} prompts × {args.max_new_tokens} tokens")
+        print(f"saved to {path}")
+    return 0
 
 
 if __name__ == "__main__":

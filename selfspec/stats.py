@@ -112,4 +112,6 @@ class GenerationStats:
             f"c {fmt(self.cost, '.2f')}",
             f"method {self.method}",
         ]
+        if self.searches:
+            parts.insert(-1, f"layer search {self.searches}× {self.search_s:.2f} s")
         return " | ".join(parts)
