@@ -2,6 +2,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -27,3 +28,16 @@ def tiny():
         return selfspec.SelfSpecModel(tiny_model(arch, seed), name=f"tiny-{arch}")
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def one_thread_for_tiny_models(request):
+    """Tiny models are call-overhead bound: intra-op threads only hand work back and forth (several
+    times slower on a loaded 2-core machine). Tests on the real models keep torch's default."""
+    if request.node.get_closest_marker("real"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

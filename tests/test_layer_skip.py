@@ -53,7 +53,7 @@ def test_probe_matches_a_written_forward_and_leaves_the_cache_alone(arch):
         adapter.run_layers(adapter.embed(ids[:12]), layers, 0, cache)
         keys_before = cache.keys.clone()
         probe = adapter.run_layers(adapter.embed(ids[12:]), layers, 12, cache, write=False)
-        assert torch.equal(cache.keys, keys_before)
+        torch.testing.assert_close(cache.keys, keys_before, rtol=0, atol=0, equal_nan=True)  # empty slots may hold NaN
         written = adapter.run_layers(adapter.embed(ids[12:]), layers, 12, cache)
         torch.testing.assert_close(probe, written, atol=1e-5, rtol=1e-5)
         # A batch of candidate states at one position: each row as if probed alone.

@@ -27,6 +27,35 @@ def test_smollm2_early_exit_is_lossless(smollm2, prompt):
         assert out.text == ar.text
 
 
+SUMMARY = ("Summarize in one sentence: The city council met on Tuesday to discuss the new bicycle lanes. "
+           "The council approved the bicycle lanes on Main Street and asked for a report on the bicycle lanes "
+           "near the school before the next meeting.")
+
+
+@pytest.mark.parametrize("method, options", [
+    ("layer-skip", dict(skip="attn:10-20 mlp:15,17")),
+    ("swift", dict(draft_len=6)),
+    ("clasp", dict(every=3)),
+    ("conflayers", dict(every=3)),
+    ("lookup", {}),
+    ("hybrid", dict(exit_layer=24)),
+])
+def test_smollm2_every_drafter_is_lossless(smollm2, method, options):
+    for prompt in (PROMPTS[0], SUMMARY):
+        ids = smollm2.encode(prompt)
+        ar = smollm2.generate(ids, method="ar", max_new_tokens=32)
+        out = smollm2.generate(ids, method=method, max_new_tokens=32, **options)
+        assert out.tokens == ar.tokens, (method, prompt)
+        assert out.stats.method == method
+
+
+@pytest.mark.parametrize("method", ["layer-skip", "clasp", "hybrid"])
+def test_gemma3_drafters_are_lossless(gemma3, method):
+    ids = gemma3.encode("The capital of France is Paris. The capital of Italy is", chat=False)
+    ar = gemma3.generate(ids, method="ar", max_new_tokens=16)
+    assert gemma3.generate(ids, method=method, max_new_tokens=16).tokens == ar.tokens
+
+
 def test_gemma3_early_exit_is_lossless(gemma3):
     assert gemma3.n_layers == 18
     ids = gemma3.encode("The capital of France is", chat=False)

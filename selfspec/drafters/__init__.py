@@ -19,7 +19,7 @@ def _given(options: dict, *names: str) -> dict:
 
 
 def _early_exit(**o) -> Drafter:
-    return EarlyExit(o["exit_layer"], o.get("draft_len") or 4)
+    return EarlyExit(o["exit_layer"], 4 if o.get("draft_len") is None else o["draft_len"])
 
 
 def _layer_skip(**o) -> Drafter:
