@@ -170,7 +170,9 @@ def _methods(args, model) -> list[Method]:
     """The drafters to run: early-exit for every (k, γ) asked; any other drafter once, with the
     first γ asked (or its own default) and its profile when the model has one."""
     from selfspec.drafters import METHODS
+    from selfspec.profiles import load_profile
 
+    profile = load_profile(model.identity)
     names = [name for entry in (args.method or ["early-exit"]) for name in entry.split(",")]
     if "all" in names:
         names = [m for m in METHODS if m != "ar"]
@@ -186,11 +188,13 @@ def _methods(args, model) -> list[Method]:
         if name == "early-exit":
             out += [Method(f"early-exit k={k} γ={g or 4}", name, k, g or 4) for k in exit_layers for g in draft_lens]
         elif name == "hybrid":
-            out.append(Method(f"hybrid (lookup, else early-exit k={exit_layers[0]})", name, exit_layers[0],
-                              draft_lens[0]))
+            fallback = "layer-skip" if "layer-skip" in profile else f"early-exit k={exit_layers[0]}"
+            out.append(Method(f"hybrid (lookup, else {fallback})", name, exit_layers[0], draft_lens[0]))
         else:
-            out.append(Method(name if draft_lens[0] is None else f"{name} γ≤{draft_lens[0]}", name,
-                              None, draft_lens[0]))
+            label = name if draft_lens[0] is None else f"{name} γ≤{draft_lens[0]}"
+            if name == "layer-skip":
+                label += " (searched profile)" if "layer-skip" in profile else " (untuned default)"
+            out.append(Method(label, name, None, draft_lens[0]))
     return out
 
 
@@ -243,7 +247,7 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
     setup = (
         f"model {model.name} ({model.n_layers} layers), {args.dtype}, device {args.device}; "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
-        f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template, "
+        f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "
         f"greedy, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}"
     )
     lines = [f"Setup: {setup}", "", _table(overall), ""]
