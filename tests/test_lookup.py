@@ -58,7 +58,7 @@ def test_greedy_hybrid_equals_ar_and_uses_both_sources(arch, tiny):
         assert out.stats.method == "hybrid" and out.stats.exit_layer == 3
     # A drafter instance, to read which source drafted: lookup with 3-gram matches only, so the
     # repetitive prompt's start goes to lookup and novel stretches fall back to the model.
-    hybrid = Hybrid(PromptLookup(draft_len=4, ngram=3, min_ngram=3), EarlyExit(3, 4))
+    hybrid = Hybrid(PromptLookup(draft_len=4, ngram=3, min_ngram=3), EarlyExit(3, 4), gate=False)
     out = assert_greedy_lossless(model, REPETITIVE, drafter=hybrid)
     assert hybrid.lookup_rounds > 0 and hybrid.model_rounds > 0
     assert hybrid.lookup_rounds + hybrid.model_rounds <= out.stats.rounds
@@ -78,6 +78,36 @@ def test_sampled_lookup_follows_the_target_distribution(tiny):
 
 
 def test_sampled_hybrid_follows_the_target_distribution(tiny):
-    hybrid = Hybrid(PromptLookup(draft_len=3), EarlyExit(3, 3))
+    hybrid = Hybrid(PromptLookup(draft_len=3), EarlyExit(3, 3), gate=False)
     accepted = assert_sampling_matches_target(tiny("llama"), prompt=REPETITIVE, trials=600, drafter=hybrid)
     assert accepted > 0 and hybrid.lookup_rounds > 0 and hybrid.model_rounds > 0
+
+
+def test_payoff_gate_turns_a_slow_fallback_off_and_retries_it():
+    from selfspec.drafters.hybrid import PayoffGate
+
+    gate = PayoffGate(retry_every=4)
+    assert gate.worth_it(0.1)  # nothing measured yet
+    gate.update(tokens=1, seconds=0.3)  # 3.3 tokens/s against AR's 10
+    decisions = [gate.worth_it(0.1) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]
+    fast = PayoffGate()
+    fast.update(tokens=4, seconds=0.2)  # 20 tokens/s
+    assert all(fast.worth_it(0.1) for _ in range(5))
+
+
+def test_hybrid_skips_a_fallback_slower_than_ar(tiny):
+    import time
+
+    class Slow(EarlyExit):
+        def propose(self, *args):
+            time.sleep(0.05)  # far slower than a tiny model's full step
+            return super().propose(*args)
+
+    model = tiny("llama")
+    gated = Hybrid(PromptLookup(draft_len=4, min_ngram=3), Slow(3, 4))
+    out = assert_greedy_lossless(model, PROMPT, n=40, drafter=gated)
+    assert gated.model_rounds <= 1 + out.stats.rounds // gated.gate.retry_every + 1
+    ungated = Hybrid(PromptLookup(draft_len=4, min_ngram=3), Slow(3, 4), gate=False)
+    out = assert_greedy_lossless(model, PROMPT, n=40, drafter=ungated)
+    assert ungated.model_rounds > gated.model_rounds

@@ -1,11 +1,20 @@
-"""Hybrid: a free prompt-lookup draft when the context offers one, else the model's shallow draft.
+"""Hybrid: a free prompt-lookup draft when the context offers one, else the model's shallow draft,
+but only while the model draft pays for itself.
 
 Lookup costs nothing but drafts only where the text repeats; the fallback (early exit or layer
 skip) drafts everywhere at the price of its shallow forwards. Each round asks lookup first and the
 fallback only when lookup found no match; feedback goes to whichever drafted that round.
+
+The payoff gate: the fallback's rounds are timed (draft + verify, from the generation's own
+statistics) and their committed tokens per second are compared with plain AR's, one token per
+measured full step. While the fallback is slower, rounds without a lookup match are plain AR steps
+(an empty draft), and the fallback is tried again every `retry_every` such rounds in case the
+context made it better. Any choice of draft keeps the output exact, so the gate only moves speed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,14 +22,41 @@ from selfspec.drafters.base import Draft, DraftContext, Drafter
 from selfspec.drafters.lookup import PromptLookup
 
 
+@dataclass
+class PayoffGate:
+    retry_every: int = 16  # rounds between retries of a fallback found not worth it
+    momentum: float = 0.7  # of the fallback's tokens/s estimate
+    rate: float | None = None  # committed tokens per second of fallback rounds (smoothed)
+    waited: int = 0  # rounds the fallback sat out since it was last tried
+
+    def update(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.rate = rate if self.rate is None else self.momentum * self.rate + (1 - self.momentum) * rate
+        self.waited = 0
+
+    def worth_it(self, step_s: float | None) -> bool:
+        """Should this round use the fallback? Yes until measured slower than AR, then every
+        retry_every-th round."""
+        if self.rate is None or not step_s or self.rate >= 1.0 / step_s:
+            return True
+        self.waited += 1
+        if self.waited < self.retry_every:
+            return False
+        self.waited = 0
+        return True
+
+
 class Hybrid:
     name = "hybrid"
 
-    def __init__(self, lookup: PromptLookup, fallback: Drafter):
+    def __init__(self, lookup: PromptLookup, fallback: Drafter, gate: bool = True):
         """lookup: the model-free drafter tried first; fallback: an EarlyExit or LayerSkip drafter
-        for rounds where lookup finds no match."""
+        for rounds where lookup finds no match; gate: skip the fallback while it is slower than AR."""
         self.lookup = lookup
         self.fallback = fallback
+        self.gate = PayoffGate() if gate else None  # kept across generations, like the drafters
         self.exit_layer = fallback.exit_layer  # k of the model draft (None for layer skip)
         self.draft_len = max(lookup.draft_len, fallback.draft_len)  # the engine sizes the cache by it
         # Rounds each source drafted, summed over every generation since construction.
@@ -29,6 +65,7 @@ class Hybrid:
         self._source: Drafter | None = None
 
     def begin(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
         self.lookup.begin(ctx)
         self.fallback.begin(ctx)
         self._source = None
@@ -39,10 +76,23 @@ class Hybrid:
             self._source = self.lookup
             self.lookup_rounds += 1
             return draft
+        if self.gate is not None and not self.gate.worth_it(self.ctx.stats.step_s):
+            self._source = None
+            return draft  # empty: a plain AR step
         self._source = self.fallback
+        self._spent = self._elapsed()
         draft = self.fallback.propose(pending, start, max_len)
         self.model_rounds += bool(len(draft))
         return draft
 
     def observe(self, n_accepted: int) -> None:
+        if self._source is None:
+            return
         self._source.observe(n_accepted)
+        if self._source is self.fallback and self.gate is not None:
+            self.gate.update(n_accepted + 1, self._elapsed() - self._spent)
+
+    def _elapsed(self) -> float:
+        """Draft plus verify time of this generation so far (the engine adds a round's times
+        before calling observe)."""
+        return self.ctx.stats.draft_s + self.ctx.stats.verify_s
