@@ -1,15 +1,15 @@
 """Hybrid: a free prompt-lookup draft when the context offers one, else the model's shallow draft,
-but only while the model draft pays for itself.
+each only while it pays for itself.
 
 Lookup costs nothing but drafts only where the text repeats; the fallback (early exit or layer
 skip) drafts everywhere at the price of its shallow forwards. Each round asks lookup first and the
 fallback only when lookup found no match; feedback goes to whichever drafted that round.
 
-The payoff gate: the fallback's rounds are timed (draft + verify, from the generation's own
-statistics) and their committed tokens per second are compared with plain AR's, one token per
-measured full step. While the fallback is slower, rounds without a lookup match are plain AR steps
-(an empty draft), and the fallback is tried again every `retry_every` such rounds in case the
-context made it better. Any choice of draft keeps the output exact, so the gate only moves speed.
+The payoff gates, one per source: a source's rounds are timed (draft + verify, from the
+generation's own statistics) and their committed tokens per second are compared with plain AR's,
+one token per measured full step. While a source is slower (on a CPU a verify over γ + 1 rows
+costs more than one step, so rarely-right drafts lose), its rounds become plain AR steps (an
+empty draft), and it is tried again every `retry_every` rounds in case the context made it better. Any choice of draft keeps the output exact, so the gate only moves speed.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Hybrid:
         for rounds where lookup finds no match; gate: skip the fallback while it is slower than AR."""
         self.lookup = lookup
         self.fallback = fallback
-        self.gate = PayoffGate() if gate else None  # kept across generations, like the drafters
+        # Kept across generations, like the drafters themselves.
+        self.gates = {id(lookup): PayoffGate(), id(fallback): PayoffGate()} if gate else None
         self.exit_layer = fallback.exit_layer  # k of the model draft (None for layer skip)
         self.draft_len = max(lookup.draft_len, fallback.draft_len)  # the engine sizes the cache by it
         # Rounds each source drafted, summed over every generation since construction.
@@ -71,16 +72,19 @@ class Hybrid:
         self._source = None
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
+        self._spent = self._elapsed()
         draft = self.lookup.propose(pending, start, max_len)
         if len(draft):
+            if not self._worth_it(self.lookup):
+                self._source = None
+                return Draft(tokens=draft.tokens[:0])  # a plain AR step
             self._source = self.lookup
             self.lookup_rounds += 1
             return draft
-        if self.gate is not None and not self.gate.worth_it(self.ctx.stats.step_s):
+        if not self._worth_it(self.fallback):
             self._source = None
             return draft  # empty: a plain AR step
         self._source = self.fallback
-        self._spent = self._elapsed()
         draft = self.fallback.propose(pending, start, max_len)
         self.model_rounds += bool(len(draft))
         return draft
@@ -89,8 +93,11 @@ class Hybrid:
         if self._source is None:
             return
         self._source.observe(n_accepted)
-        if self._source is self.fallback and self.gate is not None:
-            self.gate.update(n_accepted + 1, self._elapsed() - self._spent)
+        if self.gates is not None:
+            self.gates[id(self._source)].update(n_accepted + 1, self._elapsed() - self._spent)
+
+    def _worth_it(self, source: Drafter) -> bool:
+        return self.gates is None or self.gates[id(source)].worth_it(self.ctx.stats.step_s)
 
     def _elapsed(self) -> float:
         """Draft plus verify time of this generation so far (the engine adds a round's times
