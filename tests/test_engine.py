@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
+from lossless import assert_sampling_matches_target
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 PROMPT = [5, 17, 33, 2 + 1, 60, 71, 8, 90, 41]
@@ -108,34 +108,8 @@ def test_bfloat16_early_exit_equals_bfloat16_ar():
 def test_sampled_early_exit_follows_the_target_distribution(tiny):
     """The second generated token's marginal, under speculative sampling with a shallow draft,
     must match the exact marginal of sampling the full model token by token."""
-    model = tiny("llama")
-    options = dict(temperature=1.5, top_k=6)
-    from selfspec.sampling import SamplingParams, logits_to_probs
-
-    params = SamplingParams(**options)
-    adapter = model.adapter
-    with torch.inference_mode():
-        def probs(ids):
-            cache = adapter.new_cache(len(ids))
-            h = adapter.run_layers(adapter.embed(torch.tensor(ids)), range(adapter.n_layers), 0, cache)
-            return logits_to_probs(adapter.head(h[:, -1:]), params)[0]
-
-        p1 = probs(PROMPT)
-        exact = torch.zeros(VOCAB)
-        for t1 in p1.nonzero().flatten().tolist():
-            exact += p1[t1] * probs(PROMPT + [t1])
-    trials = 2000
-    counts = torch.zeros(VOCAB)
-    accepted = 0
-    for seed in range(trials):
-        out = model.generate(PROMPT, exit_layer=1, draft_len=3, max_new_tokens=4, seed=seed, **options)
-        counts[out.tokens[1]] += 1
-        accepted += out.stats.accepted
+    accepted = assert_sampling_matches_target(tiny("llama"), PROMPT, method="early-exit", exit_layer=1, draft_len=3)
     assert accepted > 0  # drafts were accepted sometimes, so the accept path shaped the sample
-    support = exact > 0
-    assert counts[~support].sum() == 0
-    _, p_value = chisquare(counts[support].numpy(), exact[support].numpy() * trials)
-    assert p_value > 1e-3
 
 
 def test_unsupported_architecture_is_refused_by_name():
