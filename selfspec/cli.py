@@ -1,4 +1,4 @@
-"""The `selfspec` command: one entry point, subcommands `generate`, `search` and `bench`."""
+"""The `selfspec` command: one entry point, subcommands `generate`, `search`, `bench` and `calc`."""
 
 from __future__ import annotations
 
@@ -119,18 +119,30 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="skip the transformers generate() reference")
     b.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON to this file")
     b.add_argument("--markdown", default=None, help="also write the results table as markdown to this file")
+    c = sub.add_parser("calc", help="the analytic model: tokens per step, speedup, ceiling, best γ",
+                       description="Expected tokens per step (1 - α^(γ+1)) / (1 - α), speedup = that / (γ·c + v) "
+                                   "and the ceiling 1 / (1 - α), for every combination of the given values, and the "
+                                   "best γ for each α, c, v. Values: a number, a comma list, or start:stop:step.")
+    c.add_argument("--alpha", "-a", default="0.5:0.9:0.1", help="acceptance rate(s) α in [0, 1] (default 0.5:0.9:0.1)")
+    c.add_argument("--draft-len", "-g", default="1,2,4,8", help="draft length(s) γ (default 1,2,4,8)")
+    c.add_argument("--cost", "-c", default="0.25", help="draft cost(s) c, one draft token over one full forward "
+                                                         "(default 0.25)")
+    c.add_argument("--verify", "-v", default="1", help="verify cost(s) v, a verify over γ+1 positions over one "
+                                                        "full one-token forward (default 1, the standard model)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    if args.cache_dir:
+    if getattr(args, "cache_dir", None):
         os.environ["SELFSPEC_CACHE"] = args.cache_dir
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "search":
             return _search(args)
+        if args.command == "calc":
+            return _calc(args)
         from selfspec.bench import run_bench
 
         return run_bench(args)
@@ -191,6 +203,31 @@ def _check_options(options: dict) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {options['max_new_tokens']}")
     if options["exit_layer"] is not None and options["exit_layer"] < 1:
         raise ValueError(f"--exit-layer must be >= 1, got {options['exit_layer']}")
+
+
+def _calc(args) -> int:
+    from selfspec.calc import best_gamma, ceiling, expected_tokens, parse_values, speedup
+
+    alphas, gammas = parse_values(args.alpha), parse_values(args.draft_len, int)
+    costs, verifies = parse_values(args.cost), parse_values(args.verify)
+    for a in alphas:
+        ceiling(a)  # validates α before printing anything
+    print("| α | γ | c | v | tokens/step | speedup | ceiling |")
+    print("|---|---|---|---|---|---|---|")
+    for a in alphas:
+        for c in costs:
+            for v in verifies:
+                for g in gammas:
+                    print(f"| {a:g} | {g} | {c:g} | {v:g} | {expected_tokens(a, g):.2f} | {speedup(a, g, c, v):.2f} | "
+                          f"{ceiling(a):.2f} |")
+    print()
+    for a in alphas:
+        for c in costs:
+            for v in verifies:
+                g = best_gamma(a, c, v)
+                print(f"α {a:g}, c {c:g}, v {v:g}: best γ {g} ({speedup(a, g, c, v):.2f}×)"
+                      + ("; drafting never pays" if g == 0 else ""))
+    return 0
 
 
 def _search(args) -> int:
