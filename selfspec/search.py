@@ -19,6 +19,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from selfspec.drafters.layer_skip import SECTION, default_skip
@@ -137,12 +138,12 @@ def search_skip_set(
     trials: list[Trial] = []
     seen: dict[SkipSet, Trial] = {}
     queue = starting_points(n)
-    rng = optimizer._random_state
+    rng = np.random.default_rng(seed)  # random starting points
     for step in range(iterations):
         if queue:
             skip = queue.pop(0)
         elif step < len(starting_points(n)) + random_points:
-            skip = from_params({name: float(rng.uniform() < 0.3) for name in names})
+            skip = from_params({name: float(rng.random() < 0.3) for name in names})
         else:
             skip = from_params(optimizer.suggest())
         if not len(skip):  # skipping nothing is a full-depth draft: never faster than AR

@@ -57,7 +57,7 @@ class Hybrid:
         self.lookup = lookup
         self.fallback = fallback
         # Kept across generations, like the drafters themselves.
-        self.gates = {id(lookup): PayoffGate(), id(fallback): PayoffGate()} if gate else None
+        self.gates = {lookup: PayoffGate(), fallback: PayoffGate()} if gate else None
         self.exit_layer = fallback.exit_layer  # k of the model draft (None for layer skip)
         self.draft_len = max(lookup.draft_len, fallback.draft_len)  # the engine sizes the cache by it
         # Rounds each source drafted, summed over every generation since construction.
@@ -94,10 +94,10 @@ class Hybrid:
             return
         self._source.observe(n_accepted)
         if self.gates is not None:
-            self.gates[id(self._source)].update(n_accepted + 1, self._elapsed() - self._spent)
+            self.gates[self._source].update(n_accepted + 1, self._elapsed() - self._spent)
 
     def _worth_it(self, source: Drafter) -> bool:
-        return self.gates is None or self.gates[id(source)].worth_it(self.ctx.stats.step_s)
+        return self.gates is None or self.gates[source].worth_it(self.ctx.stats.step_s)
 
     def _elapsed(self) -> float:
         """Draft plus verify time of this generation so far (the engine adds a round's times

@@ -30,7 +30,9 @@ def draft_shallow(
     if gamma <= 0:
         return Draft(tokens=pending.new_empty(0))
     boundary = skip.boundary(adapter.n_layers)
-    before, after = range(boundary), range(boundary, adapter.n_layers)
+    before = range(boundary)
+    # Layers skipped whole are left out of the list, not visited per token (early exit: none left).
+    after = [i for i in range(boundary, adapter.n_layers) if i not in skip.skipped_layers()]
     token = pending
     tokens, hidden, probs = [], [], []
     for i in range(gamma):
