@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from selfspec.profiles import ModelIdentity, load_profile
 from selfspec.sampling import SamplingParams
 from selfspec.skips import SkipSet
 from selfspec.stats import GenerationStats
+from selfspec.tuner.run import SECTION as TUNE_SECTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +64,7 @@ class SelfSpecModel:
     # Drafters by their options, kept for the session: adaptive ones (SWIFT) carry what they
     # learned on one prompt over to the next.
     _drafters: dict = field(init=False, default_factory=dict, repr=False)
+    _warned_untuned: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
@@ -113,7 +116,7 @@ class SelfSpecModel:
         self,
         prompt: str | Sequence[int],
         *,
-        method: str = "early-exit",
+        method: str = "auto",
         exit_layer: int | None = None,
         draft_len: int | None = None,
         threshold: float | None = None,
@@ -134,7 +137,8 @@ class SelfSpecModel:
         """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
         are raised here, before any model work.
 
-        method: a drafter name (see selfspec.drafters.METHODS). Its knobs, None meaning the
+        method: a drafter name (see selfspec.drafters.METHODS), or "auto" (the default): the
+        configuration `selfspec tune` chose for this model, else early exit. Its knobs, None meaning the
         drafter's default: exit_layer k (early-exit, hybrid), draft_len γ (the most tokens per
         round for adaptive drafters), threshold (confidence stop on the draft's top-1
         probability), skip (layer-skip's sublayers, a SkipSet or 'attn:1,3 mlp:2-5'), skip_ratio
@@ -144,6 +148,8 @@ class SelfSpecModel:
         instance to use instead (its state carries over between calls).
         """
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if method == "auto" and drafter is None:
+            method, exit_layer, draft_len = self.tuned(profile, exit_layer, draft_len)
         if exit_layer is None:
             exit_layer = self.default_exit_layer()
         if not 1 <= exit_layer <= self.n_layers:
@@ -173,6 +179,22 @@ class SelfSpecModel:
             eos_ids=self.eos_ids, stats=stats,
         )
         return Stream(self._chunks(rounds, result, stop), result)
+
+    def tuned(self, profile: str | None = None, exit_layer: int | None = None,
+              draft_len: int | None = None) -> tuple[str, int | None, int | None]:
+        """What method="auto" runs: (method, k, γ) from the profile's "tune" section, with the
+        k and γ given here taking precedence; without one, early exit with its defaults."""
+        section = load_profile(self.identity, profile).get(TUNE_SECTION)
+        if not section:
+            if not self._warned_untuned:
+                self._warned_untuned = True
+                warnings.warn(f"{self.name} has no tuned profile: using early exit with default settings, which "
+                              f"may be slower than plain decoding; run `selfspec tune` to pick the fastest "
+                              f"configuration for this machine", stacklevel=4)
+            return "early-exit", exit_layer, draft_len
+        k = exit_layer if exit_layer is not None else section.get("exit_layer")
+        g = draft_len if draft_len is not None else section.get("draft_len")
+        return section["method"], k, g
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         """Run to the end; same options as `stream`."""

@@ -1,26 +1,42 @@
 """`selfspec bench`: our AR, each chosen drafter (early-exit at each (k, γ); layer-skip, SWIFT,
-CLaSp, ConfLayers, lookup, hybrid with their defaults or profiles) and transformers' greedy
-generate(), on the same Spec-Bench prompts in one process, greedy, batch 1.
+CLaSp, ConfLayers, lookup, hybrid with their defaults or profiles) and transformers' own generate()
+(greedy AR, its LayerSkip-style early exit and prompt lookup decoding), on the same Spec-Bench
+prompts in one process, greedy, batch 1.
 
 Methods run interleaved prompt by prompt, so machine noise spreads over all of them. Every output
-is compared token by token with our AR's: a speedup only counts if the output is the same.
+is compared token by token with our AR's: a speedup only counts if the output is the same. Each
+generation's peak memory (selfspec.memory) and KV cache bytes are recorded beside its speed.
+
+transformers' assisted rounds are counted through its own feedback hook, so its α and accepted
+length are real counts; its rounds include the first forward, which also prefills the prompt.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
+import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
 
 from selfspec.engine import check_length
+from selfspec.memory import MIB, MemoryUse, peak_memory
 from selfspec.stats import GenerationStats
+
+HF_LOOKUP_TOKENS = 10  # prompt lookup's γ when no -g is given: the value transformers' docs use
+# transformers reads these from the assistant model's own generation_config, not from generate()'s
+# arguments; for early exit the assistant is the model itself.
+ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 @dataclass
@@ -30,25 +46,40 @@ class Prompt:
     text: str
 
 
+class Run(NamedTuple):
+    """One generation of one method."""
+
+    tokens: list[int]  # without EOS
+    seconds: float
+    stats: GenerationStats | None  # None where no draft rounds were counted (transformers' AR)
+    kv_bytes: int  # every KV cache the method held at the end
+
+
 @dataclass
 class Tally:
-    """Totals of one method over a set of prompts."""
+    """Totals of one method over a set of prompts; memory figures are the max over them."""
 
     tokens: int = 0
     seconds: float = 0.0
     identical: int = 0
     runs: int = 0
-    stats: GenerationStats | None = None  # merged over the prompts; None for transformers generate()
+    stats: GenerationStats | None = None  # merged over the prompts; None for transformers' AR
+    peak_bytes: int = 0
+    extra_bytes: int = 0  # peak minus what was in use just before the generation
+    kv_bytes: int = 0
 
-    def add(self, tokens: int, seconds: float, identical: bool, stats: GenerationStats | None = None) -> None:
-        self.tokens += tokens
-        self.seconds += seconds
+    def add(self, run: Run, identical: bool, memory: MemoryUse) -> None:
+        self.tokens += len(run.tokens)
+        self.seconds += run.seconds
         self.identical += identical
         self.runs += 1
-        if stats is not None:
+        self.peak_bytes = max(self.peak_bytes, memory.peak)
+        self.extra_bytes = max(self.extra_bytes, memory.extra)
+        self.kv_bytes = max(self.kv_bytes, run.kv_bytes)
+        if run.stats is not None:
             if self.stats is None:
-                self.stats = GenerationStats(stats.method, stats.exit_layer, stats.draft_len)
-            self.stats.merge(stats)
+                self.stats = GenerationStats(run.stats.method, run.stats.exit_layer, run.stats.draft_len)
+            self.stats.merge(run.stats)
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,6 +99,9 @@ class Tally:
             "cost": rounded(stats.cost) if stats else None,
             "search_s": rounded(stats.search_s) if stats and stats.searches else None,
             "identical_to_ar": f"{self.identical}/{self.runs}",
+            "peak_mib": round(self.peak_bytes / MIB, 1),
+            "extra_mib": round(self.extra_bytes / MIB, 1),
+            "kv_mib": round(self.kv_bytes / MIB, 2),
         }
 
 
@@ -77,6 +111,7 @@ class Method:
     method: str  # a drafter name, or "hf" (transformers generate)
     exit_layer: int | None = None
     draft_len: int | None = None  # None: the drafter's own default
+    hf_kwargs: dict = field(default_factory=dict)  # "hf": extra generate() arguments; none is its AR
     total: Tally = field(default_factory=Tally)
     by_category: dict[str, Tally] = field(default_factory=dict)
 
@@ -134,26 +169,24 @@ def run_bench(args) -> int:
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
     methods = [Method("ar (ours)", "ar")] + _methods(args, model)
     if not args.no_hf:
-        methods.append(Method("transformers generate()", "hf"))
+        methods += hf_methods(args, model)
     encoded = [model.encode(p.text) for p in prompts]
     n = args.max_new_tokens
     for ids in encoded:
         check_length(model.adapter, ids.numel(), n)
 
-    # Warm up every path once (allocator, kernels for each shape) outside the timed runs.
-    for m in methods:
-        _run(model, m, encoded[0], min(n, 8))
-
+    methods = warm_up(model, methods, encoded[0], min(n, 8))
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
     for prompt, ids in zip(prompts, encoded):
         reference = None
         for m in methods:
-            tokens, seconds, stats = _run(model, m, ids, n)
+            with peak_memory(model.adapter.device) as memory:
+                run = _run(model, m, ids, n)
             if m.method == "ar":
-                reference = tokens
-            same = tokens == reference
-            m.total.add(len(tokens), seconds, same, stats)
-            m.by_category.setdefault(prompt.category, Tally()).add(len(tokens), seconds, same, stats)
+                reference = run.tokens
+            same = run.tokens == reference
+            m.total.add(run, same, memory)
+            m.by_category.setdefault(prompt.category, Tally()).add(run, same, memory)
             bar.update()
     bar.close()
 
@@ -198,37 +231,140 @@ def _methods(args, model) -> list[Method]:
     return out
 
 
-def _run(model, m: Method, ids: torch.Tensor, n: int):
-    """One generation: (tokens without EOS, seconds, stats or None)."""
+def warm_up(model, methods: list[Method], ids: torch.Tensor, n: int) -> list[Method]:
+    """Run every method once outside the timed runs (allocator, kernels for each shape); return
+    those that ran. A transformers method this model cannot run (say, no early exit) is dropped
+    with a note on stderr; any failure of ours is raised."""
+    ran = []
+    for m in methods:
+        try:
+            _run(model, m, ids, n)
+        except Exception as err:
+            if m.method != "hf":
+                raise
+            note = f"{type(err).__name__}: {err}".splitlines()[0]
+            print(f"selfspec bench: dropping {m.label}: {note}", file=sys.stderr)
+            continue
+        ran.append(m)
+    return ran
+
+
+def hf_methods(args, model) -> list[Method]:
+    """transformers' generate() as references: greedy AR; its LayerSkip-style early exit at the
+    first k asked (or the model's default k); prompt lookup decoding. γ is the first -g asked,
+    drafted in full every round (constant schedule, no confidence stop) as ours is; without -g
+    early exit keeps transformers' own γ and confidence stop, and prompt lookup drafts 10."""
+    k = (args.exit_layer or [model.default_exit_layer()])[0]
+    gamma = (args.draft_len or [None])[0]
+    early_exit = {"assistant_early_exit": k}
+    if gamma is not None:
+        early_exit.update(num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
+                          assistant_confidence_threshold=0.0)
+    lookup = gamma or HF_LOOKUP_TOKENS
+    return [
+        Method("transformers generate()", "hf"),
+        Method(f"transformers early exit k={k} " + (f"γ={gamma}" if gamma else "(its default γ, confidence stop)"),
+               "hf", k, gamma, early_exit),
+        Method(f"transformers prompt lookup γ={lookup}", "hf", None, lookup, {"prompt_lookup_num_tokens": lookup}),
+    ]
+
+
+def _run(model, m: Method, ids: torch.Tensor, n: int) -> Run:
+    """One greedy generation of `m`, at most `n` new tokens."""
     if m.method == "hf":
-        return (*_hf_generate(model, ids, n), None)
+        return _hf_generate(model, ids, n, m.hf_kwargs)
     result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
                             max_new_tokens=n)
-    return result.tokens, result.stats.wall_s, result.stats
+    return Run(result.tokens, result.stats.wall_s, result.stats, result.stats.kv_cache_bytes)
 
 
 @torch.inference_mode()
-def _hf_generate(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
+def _hf_generate(model, ids: torch.Tensor, n: int, kwargs: dict) -> Run:
+    """transformers' greedy generate() with extra arguments `kwargs` (none: plain AR)."""
     hf = model.hf_model
     eos = sorted(model.eos_ids)
     inputs = ids.view(1, -1).to(model.adapter.device)
-    t = time.perf_counter()
-    out = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=n,
-                      eos_token_id=eos or None, pad_token_id=eos[0] if eos else None)
-    if inputs.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
-    tokens = out[0, inputs.shape[1]:].tolist()
+    settings = {key: value for key, value in kwargs.items() if key in ASSISTANT_SETTINGS}
+    arguments = {key: value for key, value in kwargs.items() if key not in ASSISTANT_SETTINGS}
+    stats = GenerationStats("hf", kwargs.get("assistant_early_exit"))
+    with _observed_assistance(hf, settings, stats) as drafters:
+        t = time.perf_counter()
+        out = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=n,
+                          eos_token_id=eos or None, pad_token_id=eos[0] if eos else None,
+                          return_dict_in_generate=True, **arguments)
+        if inputs.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+    tokens = out.sequences[0, inputs.shape[1]:].tolist()
     for i, token in enumerate(tokens):
         if token in model.eos_ids:
             tokens = tokens[:i]
             break
-    return tokens, seconds
+    # Early exit's drafter keeps a second cache for the draft's layers; it counts too.
+    caches = [_cache_in(out)] + [_cache_in(getattr(d, "assistant_kwargs", {})) for d in drafters]
+    kv_bytes = sum(hf_cache_bytes(c) for c in caches)
+    if not stats.rounds:
+        return Run(tokens, seconds, None, kv_bytes)
+    stats.prompt_tokens, stats.new_tokens, stats.wall_s = inputs.shape[1], len(tokens), seconds
+    return Run(tokens, seconds, stats, kv_bytes)
+
+
+@contextmanager
+def _observed_assistance(hf, settings: dict, stats: GenerationStats) -> Iterator[list]:
+    """For one generate() call: apply `settings` to a copy of the model's generation_config, where
+    transformers' early exit reads γ from, and record every assisted round in `stats` through
+    transformers' own feedback hook, update_candidate_strategy(input_ids, scores [1, drafted + 1,
+    vocab], n_matches). Yields the candidate generators made. Both changes end with the block; where
+    transformers has no such hook, the rounds go uncounted (α "–") rather than the method failing."""
+    made = []
+    make = getattr(hf, "_get_candidate_generator", None)
+
+    def make_observed(*args, **kwargs):
+        drafter = make(*args, **kwargs)
+        update = drafter.update_candidate_strategy
+
+        def observe(input_ids, scores, num_matches):
+            stats.record_round(scores.shape[1] - 1, int(num_matches))
+            return update(input_ids, scores, num_matches)
+
+        drafter.update_candidate_strategy = observe
+        # γ as the drafter holds it: early exit's num_assistant_tokens, prompt lookup's num_output_tokens
+        gamma = getattr(drafter, "num_assistant_tokens", None) or getattr(drafter, "num_output_tokens", 0)
+        stats.draft_len = int(gamma)
+        made.append(drafter)
+        return drafter
+
+    config = hf.generation_config
+    if settings:
+        hf.generation_config = copy.deepcopy(config)
+        hf.generation_config.update(**settings)
+    if make is not None:
+        hf._get_candidate_generator = make_observed  # shadows the method on this instance only
+    try:
+        yield made
+    finally:
+        if make is not None:
+            del hf._get_candidate_generator
+        hf.generation_config = config
+
+
+def _cache_in(holder) -> object | None:
+    """The Cache in generate()'s output or a drafter's kwargs; later transformers 5 releases renamed
+    past_key_values to cache."""
+    return next((holder[name] for name in ("cache", "past_key_values") if holder.get(name) is not None), None)
+
+
+def hf_cache_bytes(cache) -> int:
+    """Bytes of the keys and values a transformers Cache holds, over its layers."""
+    if cache is None:
+        return 0
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if isinstance(t, torch.Tensor))
 
 
 def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
     ar = methods[0]
-    hf = next((m for m in methods if m.method == "hf"), None)
+    hf = next((m for m in methods if m.method == "hf" and not m.hf_kwargs), None)
     categories = sorted({p.category for p in prompts})
 
     def row(m: Method, tally: Tally, ar_tally: Tally, hf_tally: Tally | None) -> dict:
@@ -248,19 +384,28 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
         f"model {model.name} ({model.n_layers} layers), {args.dtype}, device {args.device}; "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "
-        f"greedy, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}"
+        f"greedy, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}; "
+        f"command: {shlex.join(['selfspec', *sys.argv[1:]])}"
     )
-    lines = [f"Setup: {setup}", "", _table(overall), ""]
+    memory = (
+        "Memory per generation, the most over the prompts: peak MiB is the process's peak resident set "
+        "(weights included) on CPU, the most CUDA memory allocated on a GPU; Δ MiB is that peak minus the "
+        "figure just before the generation; KV MiB is every KV cache held at its end. Ours is one cache, "
+        "preallocated for prompt + max new tokens + γ + 1 positions and shared by draft and verify; "
+        "transformers' grows with the text, and its early exit keeps a second one for the draft's layers."
+    )
+    lines = [f"Setup: {setup}", "", memory, "", _table(overall), ""]
     for c in categories:
         lines += [f"Category {c}:", "", _table(per_category[c]), ""]
-    return {"setup": setup, "overall": overall, "per_category": per_category, "markdown": "\n".join(lines)}
+    return {"setup": setup, "memory": memory, "overall": overall, "per_category": per_category,
+            "markdown": "\n".join(lines)}
 
 
 def _table(rows: list[dict]) -> str:
     cols = [("method", "method"), ("k", "k"), ("gamma", "γ"), ("tokens_per_s", "tok/s"),
             ("speedup_vs_ar", "× our AR"), ("speedup_vs_hf", "× HF"), ("alpha", "α"),
             ("mean_accepted_length", "acc/step"), ("cost", "c"), ("search_s", "search s"),
-            ("identical_to_ar", "= AR")]
+            ("peak_mib", "peak MiB"), ("extra_mib", "Δ MiB"), ("kv_mib", "KV MiB"), ("identical_to_ar", "= AR")]
 
     def cell(v):
         return "–" if v is None else str(v)

@@ -50,4 +50,5 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of keys and values together, over the whole preallocated capacity."""
         return self.keys.numel() * self.keys.element_size() * 2

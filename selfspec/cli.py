@@ -1,4 +1,4 @@
-"""The `selfspec` command: one entry point, subcommands `generate`, `search`, `bench` and `calc`."""
+"""The `selfspec` command: one entry point, subcommands `generate`, `tune`, `search`, `bench` and `calc`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from selfspec.drafters import METHODS
 from selfspec.loading import BUNDLED, DEFAULT_MODEL
@@ -27,7 +28,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 
 METHOD_HELP = (
-    "how the draft is made: early-exit (layers < k, default), layer-skip (a skip set found by "
+    "how the draft is made: auto (default: what `selfspec tune` chose for this model, else early-exit), "
+    "early-exit (layers < k), layer-skip (a skip set found by "
     "`selfspec search`, Draft & Verify), swift (layer set searched during decoding), clasp (layer set by "
     "dynamic programming per context), conflayers (confidence-adaptive skipping), lookup (copy from the "
     "prompt/output, no model), hybrid (lookup when it matches, else early exit), ar (no draft; the baseline)"
@@ -64,7 +66,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "(tokens, tokens/s, α, accepted tokens per step, k, γ, c) follows on stderr.")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text; '-' or nothing reads standard input")
     _model_options(g)
-    g.add_argument("--method", default="early-exit", choices=list(METHODS), help=METHOD_HELP)
+    g.add_argument("--method", default="auto", choices=["auto", *METHODS], help=METHOD_HELP)
     g.add_argument("--exit-layer", "-k", type=int, default=None,
                    help="exit layer k: the draft runs layers 0..k-1 (default: 3/4 of the model's depth)")
     g.add_argument("--draft-len", "-g", type=int, default=None,
@@ -100,9 +102,11 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
     b = sub.add_parser("bench", help="benchmark AR, the drafters and transformers generate() on Spec-Bench prompts",
-                       description="Run our AR, the chosen drafters and transformers' own greedy generate() "
-                                   "on the same prompts in one process; print tokens/s, α, mean accepted length, c "
-                                   "and speedups per method and per category, and check every output against our AR.")
+                       description="Run our AR, the chosen drafters and transformers' own greedy generate() (AR, "
+                                   "its early exit at the first k and its prompt lookup, both at the first γ) on the "
+                                   "same prompts in one process; print tokens/s, α, mean accepted length, c, speedups, "
+                                   "peak memory and KV cache size per method and per category, and check every "
+                                   "output against our AR.")
     _model_options(b)
     b.add_argument("--method", action="append", default=None,
                    help="drafter(s) to run, repeatable or comma-separated, or 'all' (default early-exit); "
@@ -116,7 +120,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="exit layer(s) to run, repeatable (default: 3/4 of depth)")
     b.add_argument("--draft-len", "-g", type=int, action="append", default=None,
                    help="draft length(s) to run, repeatable (default 4)")
-    b.add_argument("--no-hf", action="store_true", help="skip the transformers generate() reference")
+    b.add_argument("--no-hf", action="store_true",
+                   help="skip the transformers generate() references (AR, early exit, prompt lookup)")
     b.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON to this file")
     b.add_argument("--markdown", default=None, help="also write the results table as markdown to this file")
     c = sub.add_parser("calc", help="the analytic model: tokens per step, speedup, ceiling, best γ",
@@ -129,11 +134,35 @@ def _build_parser() -> argparse.ArgumentParser:
                                                          "(default 0.25)")
     c.add_argument("--verify", "-v", default="1", help="verify cost(s) v, a verify over γ+1 positions over one "
                                                         "full one-token forward (default 1, the standard model)")
+    t = sub.add_parser("tune", help="find the fastest k and γ for this model on this machine; --method auto uses it",
+                       description="Decode the prompts with plain AR, read off exactly what each exit layer would draft "
+                                   "(α by k and draft position), time c(k) and the verify cost v(k, n) here, predict the "
+                                   "speedup of early exit at every (k, γ) and of prompt lookup at every γ, then time the "
+                                   "best predictions against AR. The fastest measured configuration (or AR, if nothing "
+                                   "beats it) is saved in the model's profile for `--method auto`; plots go to --plots.")
+    _model_options(t)
+    t.add_argument("--prompts", default=None,
+                   help="JSONL (Spec-Bench style) or text file, one prompt per line; default: the bundled calibration "
+                        "set (Spec-Bench questions that are not in the benchmark subset)")
+    t.add_argument("--per-category", type=int, default=1, help="first N prompts of each category (default 1)")
+    t.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens per prompt (default 64)")
+    t.add_argument("--exit-layer", "-k", action="append", default=None,
+                   help="exit layers to predict, repeatable or comma-separated (default: 8 from 1/4 of depth to L-1)")
+    t.add_argument("--max-draft-len", "-g", type=int, default=8, help="predict γ = 1 .. this (default 8)")
+    t.add_argument("--check", type=int, default=3, help="best predictions to time against AR (default 3)")
+    t.add_argument("--repeats", type=int, default=5, help="timings of each c and v, median kept (default 5)")
+    t.add_argument("--no-lookup", action="store_true", help="leave prompt lookup out of the candidates")
+    t.add_argument("--ngram", type=int, default=3, help="prompt lookup's longest n-gram (default 3)")
+    t.add_argument("--plots", default="selfspec-tune", help="directory for the PNG plots (default ./selfspec-tune)")
+    t.add_argument("--no-plots", action="store_true", help="do not draw plots")
+    t.add_argument("--output", default=None, help="profile file to write (default: the model's profile in the cache)")
+    t.add_argument("--json", dest="json_out", default=None, help="also write everything measured as JSON to this file")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    warnings.formatwarning = lambda message, *_, **__: f"selfspec: note: {message}\n"
     if getattr(args, "cache_dir", None):
         os.environ["SELFSPEC_CACHE"] = args.cache_dir
     try:
@@ -143,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             return _search(args)
         if args.command == "calc":
             return _calc(args)
+        if args.command == "tune":
+            return _tune(args)
         from selfspec.bench import run_bench
 
         return run_bench(args)
@@ -256,6 +287,50 @@ def _search(args) -> int:
               f"α {b.alpha if b.alpha is None else round(b.alpha, 2)}, c {b.cost if b.cost is None else round(b.cost, 2)}, "
               f"{len(result.trials)} sets measured on {len(prompts)} prompts × {args.max_new_tokens} tokens")
         print(f"saved to {path}")
+    return 0
+
+
+def _tune(args) -> int:
+    import selfspec
+    from selfspec.bench import load_prompts, machine
+    from selfspec.profiles import save_section
+    from selfspec.tuner import SECTION, tune
+    from selfspec.tuner.plots import write_plots
+
+    exit_layers = [int(k) for entry in (args.exit_layer or []) for k in entry.split(",") if k.strip()] or None
+    for name in ("per_category", "max_draft_len", "repeats", "ngram"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_new_tokens < 2 or args.check < 0:
+        raise ValueError("--max-new-tokens must be >= 2 and --check >= 0")
+    prompts = load_prompts(args.prompts, args.per_category, default="calibration.jsonl")
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    result = tune(model, [p.text for p in prompts], max_new_tokens=args.max_new_tokens, exit_layers=exit_layers,
+                  max_draft_len=args.max_draft_len, lookup=not args.no_lookup, ngram=args.ngram, check=args.check,
+                  repeats=args.repeats)
+    setup = dict(dtype=args.dtype, device=str(model.adapter.device.type), machine=machine(), prompts=len(prompts),
+                 prompt_source=args.prompts or "bundled calibration set", max_new_tokens=args.max_new_tokens,
+                 ngram=args.ngram)
+    section = result.profile_section(**setup)
+    path = save_section(model.identity, SECTION, section, args.output)
+    print(f"{model.name}, {args.dtype} on {setup['device']}; {len(prompts)} prompts × {args.max_new_tokens} tokens; "
+          f"{setup['machine']}; AR {result.ar_tokens_per_s:.1f} tok/s; one step {result.costs.step_s * 1e3:.1f} ms")
+    print()
+    print(result.table())
+    print()
+    best = result.best
+    if best is None:
+        print("nothing beat plain decoding in the timed check: --method auto will run AR")
+    else:
+        print(f"chosen: {best.label}, measured {best.measured:.2f}× AR (predicted {best.predicted:.2f}×), "
+              f"output identical to AR on {best.identical} prompts")
+    print(f"profile: {path}")
+    if not args.no_plots:
+        for png in write_plots(result, args.plots, f"{model.name}, {args.dtype}, {setup['device']}"):
+            print(f"plot: {png}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"model": model.name, "profile": str(path), **section}, f, indent=2, ensure_ascii=False)
     return 0
 
 

@@ -48,6 +48,7 @@ def decode(
     prompt_ids = prompt_ids.to(adapter.device).view(-1)
     check_length(adapter, prompt_ids.numel(), max_new_tokens)
     cache = adapter.new_cache(prompt_ids.numel() + max_new_tokens + drafter.draft_len + 1)
+    stats.kv_cache_bytes = cache.nbytes
     generator = make_generator(sampling.seed, adapter.device)
     ctx = DraftContext(adapter, cache, sampling, generator, prompt_ids, prompt_ids.tolist(), stats)
     drafter.begin(ctx)

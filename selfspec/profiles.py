@@ -2,7 +2,7 @@
 
 A profile is tied to the model's identity, its name and a hash of its architecture config, so a
 profile found for one model is never silently used with another. One file per model under
-`cache_root()/profiles/`, one section per method (e.g. "layer-skip" from `selfspec search`):
+`cache_root()/profiles/` (or $SELFSPEC_PROFILES), one section per method (e.g. "layer-skip" from `selfspec search`):
 
     {"format": 1, "identity": {"name": ..., "config_hash": ...},
      "layer-skip": {"skip": {"attn": [...], "mlp": [...]}, ...}}
@@ -46,8 +46,15 @@ class ModelIdentity:
         return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name).strip("_") + "-" + self.config_hash
 
 
+def profiles_dir() -> Path:
+    """$SELFSPEC_PROFILES, else cache_root()/profiles."""
+    if os.environ.get("SELFSPEC_PROFILES"):
+        return Path(os.environ["SELFSPEC_PROFILES"]).expanduser()
+    return cache_root() / "profiles"
+
+
 def profile_path(identity: ModelIdentity) -> Path:
-    return cache_root() / "profiles" / f"{identity.slug()}.json"
+    return profiles_dir() / f"{identity.slug()}.json"
 
 
 def load_profile(identity: ModelIdentity, path: str | Path | None = None) -> dict:

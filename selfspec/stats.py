@@ -25,7 +25,8 @@ class GenerationStats:
     rounds: int = 0  # verify forwards after the prefill
     drafted: int = 0
     accepted: int = 0
-    drafted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that drafted it
+    # per draft position i: rounds that drafted it with every earlier draft token accepted
+    drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that accepted it
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -34,6 +35,7 @@ class GenerationStats:
     step_s: float | None = None  # one full one-token forward, measured, for c
     search_s: float = 0.0  # time adaptive drafters spent choosing layers (not in draft_s)
     searches: int = 0  # how many times they did
+    kv_cache_bytes: int = 0  # the one KV cache this generation allocated (draft and verify share it)
 
     def record_round(self, n_drafted: int, n_accepted: int) -> None:
         self.rounds += 1
@@ -43,7 +45,7 @@ class GenerationStats:
         if grow > 0:
             self.drafted_at += [0] * grow
             self.accepted_at += [0] * grow
-        for i in range(n_drafted):
+        for i in range(min(n_drafted, n_accepted + 1)):  # positions the verify reached
             self.drafted_at[i] += 1
         for i in range(n_accepted):
             self.accepted_at[i] += 1

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import tiny_model  # noqa: E402
 
 import selfspec  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_profiles(tmp_path_factory):
+    """Profiles the user made on this machine (search, tune) must not change what tests see: the
+    session, and the CLI subprocesses it starts, read and write profiles in a fresh directory."""
+    path = tmp_path_factory.mktemp("profiles")
+    before = os.environ.get("SELFSPEC_PROFILES")
+    os.environ["SELFSPEC_PROFILES"] = str(path)
+    yield path
+    if before is None:
+        del os.environ["SELFSPEC_PROFILES"]
+    else:
+        os.environ["SELFSPEC_PROFILES"] = before
 
 
 @pytest.fixture(scope="session")

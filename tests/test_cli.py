@@ -59,10 +59,16 @@ def test_bench_reports_every_method(tmp_path):
     out = selfspec("bench", "--prompts", str(prompts), "-n", "8", "-k", "15", "-g", "2", "--json", str(report))
     assert out.returncode == 0, out.stderr
     data = json.loads(report.read_text())
-    labels = [row["method"] for row in data["overall"]]
-    assert labels == ["ar (ours)", "early-exit k=15 γ=2", "transformers generate()"]
-    assert all(row["identical_to_ar"] == "1/1" for row in data["overall"])
-    assert "| method |" in out.stdout and "qa" in data["per_category"]
+    rows = {row["method"]: row for row in data["overall"]}
+    assert list(rows) == ["ar (ours)", "early-exit k=15 γ=2", "transformers generate()",
+                          "transformers early exit k=15 γ=2", "transformers prompt lookup γ=2"]
+    assert all(row["identical_to_ar"] == "1/1" for row in rows.values())
+    assert "| method |" in out.stdout and "| KV MiB |" in out.stdout and "qa" in data["per_category"]
+    assert "command: selfspec bench --prompts" in data["setup"]
+    assert all(row["peak_mib"] >= row["extra_mib"] >= 0 and row["kv_mib"] > 0 for row in rows.values())
+    # One cache, γ + 1 positions longer than the text; transformers' early exit keeps a second one.
+    assert rows["early-exit k=15 γ=2"]["kv_mib"] < rows["transformers early exit k=15 γ=2"]["kv_mib"]
+    assert rows["transformers early exit k=15 γ=2"]["alpha"] is not None
 
 
 @pytest.mark.real

@@ -105,6 +105,7 @@ def test_adaptive_threshold_moves_the_right_way():
 
 def test_profile_round_trip_and_identity_check(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("SELFSPEC_PROFILES")  # set for the whole session by conftest
     model = tiny("llama")
     other = tiny("qwen3")
     assert load_profile(model.identity) == {}

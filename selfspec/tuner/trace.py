@@ -1,0 +1,106 @@
+"""What each exit layer would have drafted, read off one autoregressive decode: exact α for free.
+
+In greedy decoding every accepted prefix is the autoregressive output itself, and the layers
+below k see only tokens (never the layers above), so the early-exit draft at layer k for the token
+after position t is the logit lens at layer k over the AR sequence: head(norm(h_k[t])). One full
+forward over prompt + output, with the head applied after every layer, therefore tells for every
+k and every position whether a draft would match; replaying the engine's rounds over those
+matches gives the exact drafted/accepted counts of early exit at any (k, γ), and replaying the
+n-gram search gives prompt lookup's, without decoding once per configuration.
+
+Up to rounding: the trace's forward batches the positions while the draft runs one token at a
+time, so a near-tie can break differently. The tuner's timed check runs the real thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from selfspec.drafters.lookup import find_draft
+from selfspec.tuner.rounds import Rounds
+
+
+@dataclass
+class Trace:
+    prompt: list[int]
+    output: list[int]  # the greedy AR output, ending with the EOS token if it stopped at one
+    limit: int  # the max_new_tokens it ran with
+    # hits[k][j]: the exit-k draft fed output[j-1] proposes output[j] (j >= 1; hits[k][0] unused)
+    hits: dict[int, np.ndarray]
+
+
+@torch.inference_mode()
+def trace(adapter, prompt: list[int], tokens: list[int], limit: int, exit_layers) -> Trace:
+    """Logit-lens matches of every exit layer in `exit_layers` over prompt + the AR output
+    `tokens` (EOS excluded, as generate returns them) of a run with max_new_tokens = limit."""
+    exit_layers = sorted(set(exit_layers))
+    if exit_layers and not 1 <= exit_layers[0] <= exit_layers[-1] <= adapter.n_layers:
+        raise ValueError(f"exit layers must be in 1..{adapter.n_layers}")
+    if not tokens:
+        return Trace(prompt, [], limit, {k: np.zeros(0, dtype=bool) for k in exit_layers})
+    stopped = len(tokens) < limit  # at an EOS: feed every token, the last position predicts it
+    ids = torch.tensor(prompt + (tokens if stopped else tokens[:-1]), dtype=torch.long, device=adapter.device)
+    first = len(prompt) - 1  # the position whose logits predict the first output token
+    cache = adapter.new_cache(ids.numel())
+    h = adapter.embed(ids)
+    predicted = {}
+    for i in range(adapter.n_layers):
+        h = adapter.run_layers(h, [i], 0, cache)
+        k = i + 1  # h is now the state after layers 0 .. k-1: the exit-k draft's
+        if k in exit_layers:
+            predicted[k] = adapter.head(h[:, first:]).argmax(-1).cpu().numpy()  # [n]
+    output = list(tokens)
+    if stopped:
+        output.append(int(adapter.head(h[:, -1:]).argmax(-1)))
+    target = np.asarray(output)
+    hits = {}
+    for k, p in predicted.items():
+        hits[k] = p == target
+        hits[k][0] = False  # the first token comes from the prefill, never from a draft
+    return Trace(prompt, output, limit, hits)
+
+
+def replay_early_exit(t: Trace, exit_layer: int, draft_len: int) -> Rounds:
+    """The rounds the engine runs for early exit at (k, γ) on this prompt, greedy."""
+    hits, n = t.hits[exit_layer], len(t.output)
+
+    def draft(j: int, room: int) -> tuple[int, int]:
+        accepted = 0
+        while accepted < room and j + 1 + accepted < n and hits[j + 1 + accepted]:
+            accepted += 1
+        return room, accepted
+
+    return _replay(t, draft_len, draft)
+
+
+def replay_lookup(t: Trace, draft_len: int, ngram: int = 3) -> Rounds:
+    """The rounds the engine runs for prompt lookup with (γ, n-gram) on this prompt, greedy."""
+    context = np.asarray(t.prompt + t.output, dtype=np.int64)
+    start, n = len(t.prompt), len(t.output)
+
+    def draft(j: int, room: int) -> tuple[int, int]:
+        proposal = find_draft(context[: start + j + 1], ngram, 1, room)
+        accepted = 0
+        while (accepted < len(proposal) and j + 1 + accepted < n
+               and proposal[accepted] == t.output[j + 1 + accepted]):
+            accepted += 1
+        return len(proposal), accepted
+
+    return _replay(t, draft_len, draft)
+
+
+def _replay(t: Trace, draft_len: int, draft) -> Rounds:
+    """Mirror the engine's loop: output[j] is pending (j + 1 tokens committed); a round drafts at
+    most what could still be committed after its bonus token and commits the accepted tokens plus
+    one; decoding ends at the last output token (the limit, or EOS). Draft tokens past an EOS
+    count as rejected (the engine stops there either way)."""
+    rounds = Rounds()
+    j = 0
+    while j + 1 < len(t.output):
+        drafted, accepted = draft(j, min(draft_len, t.limit - j - 2))
+        rounds.add(drafted, accepted)
+        j += accepted + 1
+    return rounds

@@ -1,0 +1,99 @@
+"""The benchmark's parts, on tiny random models: memory measurement, KV cache sizes, and the
+transformers reference methods. The end-to-end runs on the real model are in test_cli.py."""
+
+import time
+from argparse import Namespace
+
+import pytest
+import torch
+
+from selfspec import bench
+from selfspec.cache import KVCache
+from selfspec.memory import MIB, MemoryUse, peak_memory
+from tiny_models import COMMON
+
+PROMPT = [5, 17, 33, 8, 61, 5, 17, 33, 12]
+FLOAT32 = 4
+# Bytes of keys and values of one position over all layers of a tiny model.
+PER_POSITION = 2 * COMMON["num_hidden_layers"] * COMMON["num_key_value_heads"] * (
+    COMMON["hidden_size"] // COMMON["num_attention_heads"]) * FLOAT32
+
+
+def test_peak_memory_sees_a_held_and_a_freed_allocation():
+    with peak_memory("cpu") as held:
+        x = torch.ones(50_000_000)  # 200 MB, still alive when the block ends
+    assert held.before > 0 and held.peak >= held.before
+    assert held.extra >= 150 * MIB
+    del x
+    with peak_memory("cpu") as freed:  # gone before the block ends: only the polling thread sees it
+        y = torch.ones(50_000_000)
+        time.sleep(0.05)
+        del y
+    assert freed.extra >= 150 * MIB
+
+
+def test_kv_cache_bytes_is_the_one_preallocated_cache(tiny):
+    cache = KVCache(3, 2, 4, 10, dtype=torch.float32, device="cpu")
+    assert cache.nbytes == cache.keys.nbytes + cache.values.nbytes
+    model, n = tiny("llama"), 6
+    for method, gamma in (("ar", 0), ("early-exit", 3)):
+        stats = model.generate(PROMPT, method=method, exit_layer=2, draft_len=3, max_new_tokens=n).stats
+        assert stats.kv_cache_bytes == (len(PROMPT) + n + gamma + 1) * PER_POSITION
+
+
+def args(k=None, g=None):
+    return Namespace(exit_layer=k, draft_len=g)
+
+
+class Model:
+    def default_exit_layer(self):
+        return 20
+
+
+def test_hf_methods_build_the_generate_arguments_of_each_reference():
+    ar, early, lookup = bench.hf_methods(args([20, 10], [3, 5]), Model())
+    assert (ar.label, ar.hf_kwargs) == ("transformers generate()", {})
+    assert early.label == "transformers early exit k=20 γ=3"
+    assert early.hf_kwargs == {"assistant_early_exit": 20, "num_assistant_tokens": 3,
+                               "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    assert (lookup.label, lookup.hf_kwargs) == ("transformers prompt lookup γ=3", {"prompt_lookup_num_tokens": 3})
+    # Without -k or -g: the model's default k, transformers' own γ for early exit, 10 for lookup.
+    _, early, lookup = bench.hf_methods(args(), Model())
+    assert early.hf_kwargs == {"assistant_early_exit": 20} and "default γ" in early.label
+    assert lookup.hf_kwargs == {"prompt_lookup_num_tokens": 10}
+
+
+def test_hf_references_match_our_ar_and_report_rounds_and_caches(tiny):
+    model, n = tiny("llama"), 12
+    ours = bench._run(model, bench.Method("ar", "ar"), torch.tensor(PROMPT), n)
+    ar, early, lookup = (bench._run(model, m, torch.tensor(PROMPT), n)
+                         for m in bench.hf_methods(args([2], [3]), model))
+    assert ar.tokens == early.tokens == lookup.tokens == ours.tokens
+    assert ar.stats is None  # no draft rounds to count
+    assert ar.kv_bytes == (len(PROMPT) + n - 1) * PER_POSITION  # grown to the text; the last token is not fed
+    assert early.stats.draft_len == 3 and early.stats.rounds > 0 and 0 < early.stats.drafted <= 3 * early.stats.rounds
+    assert early.kv_bytes > ar.kv_bytes  # its draft keeps a second cache for layers < k
+    assert lookup.stats.draft_len == 3 and lookup.kv_bytes == ar.kv_bytes
+    # The model is left as it was: no settings or hooks stay behind.
+    assert "_get_candidate_generator" not in vars(model.hf_model)
+    assert model.hf_model.generation_config.num_assistant_tokens is None
+
+
+def test_a_transformers_method_that_fails_is_dropped_with_a_note(tiny, capsys):
+    model = tiny("llama")
+    good = bench.Method("transformers generate()", "hf")
+    bad = bench.Method("impossible", "hf", hf_kwargs={"prompt_lookup_num_tokens": -1})
+    assert bench.warm_up(model, [good, bad], torch.tensor(PROMPT), 4) == [good]
+    assert "dropping impossible" in capsys.readouterr().err
+    with pytest.raises(ValueError):  # ours never fail quietly
+        bench.warm_up(model, [bench.Method("ours", "early-exit", exit_layer=99)], torch.tensor(PROMPT), 4)
+
+
+def test_tally_keeps_the_most_memory_over_prompts():
+    tally = bench.Tally()
+    for peak, before, kv in ((300 * MIB, 100 * MIB, MIB), (250 * MIB, 50 * MIB, 2 * MIB)):
+        run = bench.Run([1, 2], 0.5, None, kv)
+        tally.add(run, True, MemoryUse(before=before, peak=peak))
+    summary = tally.summary()
+    assert (summary["peak_mib"], summary["extra_mib"], summary["kv_mib"]) == (300.0, 200.0, 2.0)
+    assert summary["identical_to_ar"] == "2/2" and summary["tokens_per_s"] == 4.0
