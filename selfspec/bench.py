@@ -6,21 +6,14 @@ prompts in one process, greedy, batch 1.
 Methods run interleaved prompt by prompt, so machine noise spreads over all of them. Every output
 is compared token by token with our AR's: a speedup only counts if the output is the same. Each
 generation's peak memory (selfspec.memory) and KV cache bytes are recorded beside its speed.
-
-transformers' assisted rounds are counted through its own feedback hook, so its α and accepted
-length are real counts; its rounds include the first forward, which also prefills the prompt.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import platform
 import shlex
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -30,13 +23,10 @@ import torch
 from tqdm import tqdm
 
 from selfspec.engine import check_length
+from selfspec.hf_reference import hf_generate, reference_configs
 from selfspec.memory import MIB, MemoryUse, peak_memory
 from selfspec.stats import GenerationStats
 
-HF_LOOKUP_TOKENS = 10  # prompt lookup's γ when no -g is given: the value transformers' docs use
-# transformers reads these from the assistant model's own generation_config, not from generate()'s
-# arguments; for early exit the assistant is the model itself.
-ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 @dataclass
@@ -201,25 +191,37 @@ def run_bench(args) -> int:
 
 def _methods(args, model) -> list[Method]:
     """The drafters to run: early-exit for every (k, γ) asked; any other drafter once, with the
-    first γ asked (or its own default) and its profile when the model has one."""
+    first γ asked (or its own default) and its profile when the model has one. `auto` is what
+    `selfspec tune` chose; early exit without -k/-g takes k and γ from the tune when it chose early
+    exit."""
     from selfspec.drafters import METHODS
     from selfspec.profiles import load_profile
+    from selfspec.tuner import SECTION as TUNE
 
     profile = load_profile(model.identity)
+    tuned = profile.get(TUNE) or {}
     names = [name for entry in (args.method or ["early-exit"]) for name in entry.split(",")]
     if "all" in names:
-        names = [m for m in METHODS if m != "ar"]
-    unknown = sorted(set(names) - set(METHODS))
+        names = (["auto"] if tuned else []) + [m for m in METHODS if m != "ar"]
+    unknown = sorted(set(names) - set(METHODS) - {"auto"})
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from: all, {', '.join(METHODS)}")
-    exit_layers = args.exit_layer or [model.default_exit_layer()]
-    draft_lens = args.draft_len or [None]
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from: all, auto, {', '.join(METHODS)}")
+    from_tune = tuned.get("method") == "early-exit"
+    exit_layers = args.exit_layer or [tuned["exit_layer"] if from_tune else model.default_exit_layer()]
+    draft_lens = args.draft_len or ([tuned["draft_len"]] if from_tune else [None])
     out = []
     for name in dict.fromkeys(names):
         if name == "ar":
             continue
-        if name == "early-exit":
-            out += [Method(f"early-exit k={k} γ={g or 4}", name, k, g or 4) for k in exit_layers for g in draft_lens]
+        if name == "auto":
+            if not tuned:
+                raise ValueError(f"--method auto needs a tuned profile for {model.name}: run `selfspec tune` first")
+            k, g = tuned.get("exit_layer"), tuned.get("draft_len")
+            what = tuned["method"] + (f" k={k}" if k else "") + (f" γ={g}" if g else "")
+            out.append(Method(f"auto (tuned: {what})", tuned["method"], k, g))
+        elif name == "early-exit":
+            tag = " (tuned)" if from_tune and not (args.exit_layer or args.draft_len) else ""
+            out += [Method(f"early-exit k={k} γ={g or 4}{tag}", name, k, g or 4) for k in exit_layers for g in draft_lens]
         elif name == "hybrid":
             fallback = "layer-skip" if "layer-skip" in profile else f"early-exit k={exit_layers[0]}"
             out.append(Method(f"hybrid (lookup, else {fallback})", name, exit_layers[0], draft_lens[0]))
@@ -250,116 +252,25 @@ def warm_up(model, methods: list[Method], ids: torch.Tensor, n: int) -> list[Met
 
 
 def hf_methods(args, model) -> list[Method]:
-    """transformers' generate() as references: greedy AR; its LayerSkip-style early exit at the
-    first k asked (or the model's default k); prompt lookup decoding. γ is the first -g asked,
-    drafted in full every round (constant schedule, no confidence stop) as ours is; without -g
-    early exit keeps transformers' own γ and confidence stop, and prompt lookup drafts 10."""
+    """transformers' references (see hf_reference) at the first k asked (or the model's default
+    k) and the first γ asked."""
     k = (args.exit_layer or [model.default_exit_layer()])[0]
     gamma = (args.draft_len or [None])[0]
-    early_exit = {"assistant_early_exit": k}
-    if gamma is not None:
-        early_exit.update(num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
-                          assistant_confidence_threshold=0.0)
-    lookup = gamma or HF_LOOKUP_TOKENS
-    return [
-        Method("transformers generate()", "hf"),
-        Method(f"transformers early exit k={k} " + (f"γ={gamma}" if gamma else "(its default γ, confidence stop)"),
-               "hf", k, gamma, early_exit),
-        Method(f"transformers prompt lookup γ={lookup}", "hf", None, lookup, {"prompt_lookup_num_tokens": lookup}),
-    ]
+    out = []
+    for label, kwargs in reference_configs(k, gamma):
+        early = "assistant_early_exit" in kwargs
+        lookup = kwargs.get("prompt_lookup_num_tokens")
+        out.append(Method(label, "hf", k if early else None, gamma if early else lookup, kwargs))
+    return out
 
 
 def _run(model, m: Method, ids: torch.Tensor, n: int) -> Run:
     """One greedy generation of `m`, at most `n` new tokens."""
     if m.method == "hf":
-        return _hf_generate(model, ids, n, m.hf_kwargs)
+        return Run(*hf_generate(model, ids, n, m.hf_kwargs))
     result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
                             max_new_tokens=n)
     return Run(result.tokens, result.stats.wall_s, result.stats, result.stats.kv_cache_bytes)
-
-
-@torch.inference_mode()
-def _hf_generate(model, ids: torch.Tensor, n: int, kwargs: dict) -> Run:
-    """transformers' greedy generate() with extra arguments `kwargs` (none: plain AR)."""
-    hf = model.hf_model
-    eos = sorted(model.eos_ids)
-    inputs = ids.view(1, -1).to(model.adapter.device)
-    settings = {key: value for key, value in kwargs.items() if key in ASSISTANT_SETTINGS}
-    arguments = {key: value for key, value in kwargs.items() if key not in ASSISTANT_SETTINGS}
-    stats = GenerationStats("hf", kwargs.get("assistant_early_exit"))
-    with _observed_assistance(hf, settings, stats) as drafters:
-        t = time.perf_counter()
-        out = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=n,
-                          eos_token_id=eos or None, pad_token_id=eos[0] if eos else None,
-                          return_dict_in_generate=True, **arguments)
-        if inputs.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
-    tokens = out.sequences[0, inputs.shape[1]:].tolist()
-    for i, token in enumerate(tokens):
-        if token in model.eos_ids:
-            tokens = tokens[:i]
-            break
-    # Early exit's drafter keeps a second cache for the draft's layers; it counts too.
-    caches = [_cache_in(out)] + [_cache_in(getattr(d, "assistant_kwargs", {})) for d in drafters]
-    kv_bytes = sum(hf_cache_bytes(c) for c in caches)
-    if not stats.rounds:
-        return Run(tokens, seconds, None, kv_bytes)
-    stats.prompt_tokens, stats.new_tokens, stats.wall_s = inputs.shape[1], len(tokens), seconds
-    return Run(tokens, seconds, stats, kv_bytes)
-
-
-@contextmanager
-def _observed_assistance(hf, settings: dict, stats: GenerationStats) -> Iterator[list]:
-    """For one generate() call: apply `settings` to a copy of the model's generation_config, where
-    transformers' early exit reads γ from, and record every assisted round in `stats` through
-    transformers' own feedback hook, update_candidate_strategy(input_ids, scores [1, drafted + 1,
-    vocab], n_matches). Yields the candidate generators made. Both changes end with the block; where
-    transformers has no such hook, the rounds go uncounted (α "–") rather than the method failing."""
-    made = []
-    make = getattr(hf, "_get_candidate_generator", None)
-
-    def make_observed(*args, **kwargs):
-        drafter = make(*args, **kwargs)
-        update = drafter.update_candidate_strategy
-
-        def observe(input_ids, scores, num_matches):
-            stats.record_round(scores.shape[1] - 1, int(num_matches))
-            return update(input_ids, scores, num_matches)
-
-        drafter.update_candidate_strategy = observe
-        # γ as the drafter holds it: early exit's num_assistant_tokens, prompt lookup's num_output_tokens
-        gamma = getattr(drafter, "num_assistant_tokens", None) or getattr(drafter, "num_output_tokens", 0)
-        stats.draft_len = int(gamma)
-        made.append(drafter)
-        return drafter
-
-    config = hf.generation_config
-    if settings:
-        hf.generation_config = copy.deepcopy(config)
-        hf.generation_config.update(**settings)
-    if make is not None:
-        hf._get_candidate_generator = make_observed  # shadows the method on this instance only
-    try:
-        yield made
-    finally:
-        if make is not None:
-            del hf._get_candidate_generator
-        hf.generation_config = config
-
-
-def _cache_in(holder) -> object | None:
-    """The Cache in generate()'s output or a drafter's kwargs; later transformers 5 releases renamed
-    past_key_values to cache."""
-    return next((holder[name] for name in ("cache", "past_key_values") if holder.get(name) is not None), None)
-
-
-def hf_cache_bytes(cache) -> int:
-    """Bytes of the keys and values a transformers Cache holds, over its layers."""
-    if cache is None:
-        return 0
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if isinstance(t, torch.Tensor))
 
 
 def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:

@@ -109,7 +109,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "output against our AR.")
     _model_options(b)
     b.add_argument("--method", action="append", default=None,
-                   help="drafter(s) to run, repeatable or comma-separated, or 'all' (default early-exit); "
+                   help="drafter(s) to run, repeatable or comma-separated, or 'all' (default early-exit, with k "
+                        "and γ from `selfspec tune` when it chose early exit); auto: the tuned choice; "
                         f"from: {', '.join(m for m in METHODS if m != 'ar')}")
     b.add_argument("--prompts", default=None,
                    help="Spec-Bench style JSONL (question_id, category, turns); default: the bundled subset "
@@ -149,8 +150,8 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--exit-layer", "-k", action="append", default=None,
                    help="exit layers to predict, repeatable or comma-separated (default: 8 from 1/4 of depth to L-1)")
     t.add_argument("--max-draft-len", "-g", type=int, default=8, help="predict γ = 1 .. this (default 8)")
-    t.add_argument("--check", type=int, default=3, help="best predictions to time against AR (default 3)")
-    t.add_argument("--repeats", type=int, default=5, help="timings of each c and v, median kept (default 5)")
+    t.add_argument("--check", type=int, default=3, help="best predictions to time against AR, plus the best of each family (default 3)")
+    t.add_argument("--repeats", type=int, default=3, help="timings of each c and v, median kept (default 3)")
     t.add_argument("--no-lookup", action="store_true", help="leave prompt lookup out of the candidates")
     t.add_argument("--ngram", type=int, default=3, help="prompt lookup's longest n-gram (default 3)")
     t.add_argument("--plots", default="selfspec-tune", help="directory for the PNG plots (default ./selfspec-tune)")

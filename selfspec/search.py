@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import datetime
 import math
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
-from selfspec.drafters.layer_skip import SECTION, default_skip
+from selfspec.drafters.layer_skip import default_skip
 from selfspec.skips import SkipSet
 
 

@@ -97,3 +97,22 @@ def test_tally_keeps_the_most_memory_over_prompts():
     summary = tally.summary()
     assert (summary["peak_mib"], summary["extra_mib"], summary["kv_mib"]) == (300.0, 200.0, 2.0)
     assert summary["identical_to_ar"] == "2/2" and summary["tokens_per_s"] == 4.0
+
+
+def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
+    from selfspec.profiles import save_section
+
+    monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path))  # this test's profiles only
+    model = tiny("llama")
+    methods = lambda names, k=None, g=None: bench._methods(Namespace(method=names, exit_layer=k, draft_len=g), model)  # noqa: E731
+    with pytest.raises(ValueError, match="selfspec tune"):
+        methods(["auto"])
+    assert [m.label for m in methods(["all"])][0] == "early-exit k=4 γ=4"  # no tune: no auto row
+    save_section(model.identity, "tune", {"method": "early-exit", "exit_layer": 2, "draft_len": 3})
+    auto, early = methods(["auto,early-exit"])
+    assert (auto.label, auto.method, auto.exit_layer, auto.draft_len) == ("auto (tuned: early-exit k=2 γ=3)",
+                                                                          "early-exit", 2, 3)
+    assert (early.label, early.exit_layer, early.draft_len) == ("early-exit k=2 γ=3 (tuned)", 2, 3)
+    assert [(m.exit_layer, m.draft_len) for m in methods(["early-exit"], [5], [1])] == [(5, 1)]  # asked wins
+    save_section(model.identity, "tune", {"method": "lookup", "exit_layer": None, "draft_len": 6})
+    assert methods(["all"])[0].label == "auto (tuned: lookup γ=6)"

@@ -66,7 +66,7 @@ def test_search_cli_rejects_bad_prompts_file(tmp_path):
 
 
 def test_profile_for_another_model_is_refused(tmp_path, tiny, monkeypatch):
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path))
     from selfspec.profiles import save_section
 
     path = save_section(tiny("llama").identity, "layer-skip", {"skip": {"attn": [1], "mlp": []}})

@@ -113,7 +113,10 @@ def test_tune_checks_the_best_predictions_and_auto_uses_the_profile(tiny, tmp_pa
                   repeats=1, progress=False)
     assert len(result.candidates) == 2 * 3 + 3  # (k, γ) grid and lookup γ = 1..3
     ranked = sorted(result.candidates, key=lambda c: -c.predicted)
-    assert result.checked == ranked[:2]
+    assert result.checked[:2] == ranked[:2]
+    families = {c.method for c in result.candidates}
+    assert {c.method for c in result.checked} == families  # the best of each family is timed too
+    assert all(next(c for c in ranked if c.method == f) in result.checked for f in families)
     for c in result.checked:
         assert c.measured > 0 and c.identical == "2/2"
         assert c.measured_alpha == pytest.approx(c.rounds.alpha)  # the replay is exact

@@ -8,9 +8,13 @@
 
 All relative to `step_s`, one full-depth one-token forward at the same context length. Every
 quantity is timed `repeats` times, round-robin so that drift on a noisy machine spreads over all
-of them, and the median is kept. On a CPU v(n) grows with n (more rows through every weight
-matrix, and the verify's attention runs row by row to stay bit-identical to decoding); on a GPU
-it is close to 1 for small n.
+of them, and the median is kept. Each timing is of a second call right after a first of the same
+shape: a first call after other shapes runs measurably slower on a CPU (SmolLM2: v(1) 1.17 cold,
+1.00 warm), and a decode repeats the same shapes round after round.
+
+On a CPU v(n) grows with n: more rows through every weight matrix (SmolLM2 on 2 cores: v(2) is
+already about 1.7), and the verify's attention runs row by row to stay bit-identical to decoding.
+On a GPU it is close to 1 for small n.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class Costs:
 
 @torch.inference_mode()
 def measure_costs(adapter, *, context: int, exit_layers, max_draft_len: int, draft_layers=None,
-                  repeats: int = 5, progress: bool = True) -> Costs:
+                  repeats: int = 3, progress: bool = True) -> Costs:
     """Time c(k) for every k in `draft_layers` (default: every layer), v(k, n) for k in
     `exit_layers` and 0, n = 1 .. max_draft_len + 1 (n >= 2 for k > 0), and the lookup search."""
     n_layers = adapter.n_layers
@@ -77,18 +81,19 @@ def measure_costs(adapter, *, context: int, exit_layers, max_draft_len: int, dra
     jobs.update({("verify", 0, n): verify(0, n) for n in range(1, max_draft_len + 2)})
     jobs.update({("verify", k, n): verify(k, n) for k in exit_layers for n in range(2, max_draft_len + 2)})
     times: dict[tuple, list[float]] = {key: [] for key in jobs}
-    bar = tqdm(total=repeats + 1, desc="timing c and v", unit="pass", disable=not progress, dynamic_ncols=True)
-    for r in range(repeats + 1):  # pass 0 warms every shape up and is discarded
+    bar = tqdm(total=repeats, desc="timing c and v", unit="pass", disable=not progress, dynamic_ncols=True)
+    for _ in range(repeats):
         for key, job in jobs.items():
             if key == ("step",):
                 seconds = measure_step_time(adapter, cache, position=context, repeats=1)
             else:
+                job()
+                sync()
                 t = time.perf_counter()
                 job()
                 sync()
                 seconds = time.perf_counter() - t
-            if r:
-                times[key].append(seconds)
+            times[key].append(seconds)
         bar.update()
     bar.close()
     median = {key: float(np.median(ts)) for key, ts in times.items()}

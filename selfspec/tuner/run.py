@@ -5,8 +5,8 @@
    (k, γ) and for prompt lookup at any γ, without decoding once per configuration.
 2. Time c(k), v(k, n) and the lookup search on this machine (costs.py).
 3. Predict each candidate's speedup from its rounds and those costs (rounds.py).
-4. Run the best few predictions for real, timed against AR on the same prompts in the same
-   process, and check that their output is token-identical to AR's.
+4. Run the best few predictions (and the best of each family) for real, timed against AR on
+   the same prompts in the same process, and check that their output is token-identical to AR's.
 5. Keep the fastest measured configuration, or AR when nothing measured beats it, as the model's
    "tune" profile section, which `--method auto` uses.
 """
@@ -14,11 +14,9 @@
 from __future__ import annotations
 
 import datetime
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from selfspec.engine import check_length
@@ -120,7 +118,7 @@ def default_exit_grid(n_layers: int, size: int = 8) -> list[int]:
 
 
 def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=None, max_draft_len: int = 8,
-         lookup: bool = True, ngram: int = 3, check: int = 3, repeats: int = 5, progress: bool = True) -> TuneResult:
+         lookup: bool = True, ngram: int = 3, check: int = 3, repeats: int = 3, progress: bool = True) -> TuneResult:
     if max_draft_len < 1 or max_new_tokens < 2 or check < 0:
         raise ValueError("need max_draft_len >= 1, max_new_tokens >= 2 and check >= 0")
     n_layers = model.n_layers
@@ -157,8 +155,14 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
             speed = predicted_speedup(rounds, cost=0.0, round_cost=costs.lookup, verify=costs.verify[0])
             candidates.append(Candidate("lookup", None, g, rounds, 0.0, costs.lookup, speed))
 
-    # 4. Time the best predictions against AR.
-    checked = sorted(candidates, key=lambda c: -c.predicted)[:check]
+    # 4. Time the best predictions against AR, and the best of each family if not among them, so
+    #    predicted-vs-measured covers both.
+    ranked = sorted(candidates, key=lambda c: -c.predicted)
+    checked = ranked[:check]
+    for method in dict.fromkeys(c.method for c in ranked) if check else ():
+        best_of = next(c for c in ranked if c.method == method)
+        if best_of not in checked:
+            checked.append(best_of)
     ar_tps = _timed_check(model, encoded, checked, max_new_tokens, ngram, progress)
     return TuneResult(n_layers, grid, max_draft_len, lens, costs, candidates, ar_tps, checked)
 
