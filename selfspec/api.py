@@ -17,6 +17,7 @@ import torch
 from selfspec.adapter import ModelAdapter
 from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import check_length, decode
+from selfspec.exit_adapter import adapter_exit_layer
 from selfspec.loading import LoadedModel, load_hf
 from selfspec.profiles import ModelIdentity, load_profile
 from selfspec.sampling import SamplingParams
@@ -125,6 +126,7 @@ class SelfSpecModel:
         every: int | None = None,
         ngram: int | None = None,
         profile: str | None = None,
+        exit_adapter: str | bool | None = None,
         drafter: Drafter | None = None,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
@@ -144,14 +146,18 @@ class SelfSpecModel:
         probability), skip (layer-skip's sublayers, a SkipSet or 'attn:1,3 mlp:2-5'), skip_ratio
         (share of sublayers SWIFT, CLaSp and ConfLayers skip), every (rounds between CLaSp and
         ConfLayers re-optimisations; SWIFT's Bayesian-proposal interval), ngram (lookup's longest
-        n-gram), profile (a profile file instead of this model's saved one). drafter: a drafter
-        instance to use instead (its state carries over between calls).
+        n-gram), profile (a profile file instead of this model's saved one), exit_adapter (early
+        exit's trained exit adapter from `selfspec calibrate`: None uses the profile's when its k
+        is the one asked, and without a k asked makes its k the default; a path uses that file;
+        False or "none" uses none). drafter: a drafter instance to use instead (its state carries
+        over between calls).
         """
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if method == "auto" and drafter is None:
             method, exit_layer, draft_len = self.tuned(profile, exit_layer, draft_len)
+        saved = load_profile(self.identity, profile)
         if exit_layer is None:
-            exit_layer = self.default_exit_layer()
+            exit_layer = adapter_exit_layer(exit_adapter, saved) or self.default_exit_layer()
         if not 1 <= exit_layer <= self.n_layers:
             raise ValueError(f"exit layer must be in 1..{self.n_layers} for {self.name}, got {exit_layer}")
         if isinstance(skip, str):
@@ -160,11 +166,12 @@ class SelfSpecModel:
             skip.check(self.n_layers)
         if drafter is None:
             options = dict(exit_layer=exit_layer, draft_len=draft_len, threshold=threshold, skip=skip,
-                           skip_ratio=skip_ratio, every=every, ngram=ngram, profile=profile)
+                           skip_ratio=skip_ratio, every=every, ngram=ngram, profile=profile,
+                           exit_adapter=exit_adapter)
             key = (method, *options.items())
             if key not in self._drafters:
                 self._drafters[key] = make_drafter(
-                    method, **{**options, "profile": load_profile(self.identity, profile)}
+                    method, **{**options, "profile": saved, "identity": self.identity}
                 )
             drafter = self._drafters[key]
         ids = self.encode(prompt, chat)

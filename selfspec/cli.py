@@ -1,4 +1,5 @@
-"""The `selfspec` command: one entry point, subcommands `generate`, `tune`, `search`, `bench` and `calc`."""
+"""The `selfspec` command: one entry point, subcommands `generate`, `tune`, `search`, `calibrate`, `bench`
+and `calc`."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ def _drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram", type=int, default=None, help="lookup/hybrid: longest n-gram to match (default 3)")
     p.add_argument("--profile", default=None,
                    help="a profile JSON file to use instead of this model's saved one (must match the model)")
+    p.add_argument("--exit-adapter", default=None, metavar="FILE|none",
+                   help="early exit's trained exit adapter (a .safetensors file from `selfspec calibrate`), or "
+                        "'none' for plain early exit; default: the profile's adapter when its k is the one asked "
+                        "(without -k, its k becomes the default)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -135,6 +140,38 @@ def _build_parser() -> argparse.ArgumentParser:
                                                          "(default 0.25)")
     c.add_argument("--verify", "-v", default="1", help="verify cost(s) v, a verify over γ+1 positions over one "
                                                         "full one-token forward (default 1, the standard model)")
+    cal = sub.add_parser(
+        "calibrate", help="train a tiny exit adapter per exit layer so early exit drafts better (model frozen)",
+        description="Generate the model's own greedy continuations of calibration prompts, teacher-force them "
+                    "(plus any --text), and train for each exit layer k a small residual MLP that maps the "
+                    "layer-k hidden state to the model's final one, by distillation (KL to the full model's "
+                    "next-token distribution). The base model is frozen; the verify is unchanged, so output "
+                    "stays the full model's. Reports α (agreement with the full model's next token, = first "
+                    "draft token acceptance) on held-out prompts before and after, saves one .safetensors per k "
+                    "and points the model's profile at the best, which generate, bench and the server then use.")
+    _model_options(cal)
+    cal.add_argument("--prompts", default=None,
+                     help="JSONL (Spec-Bench style: turns or prompt per row) or text (one prompt per line); default: "
+                          "the bundled training set (Spec-Bench questions outside the benchmark and tune sets)")
+    cal.add_argument("--num-prompts", type=int, default=120, help="first N prompts of the file (default 120)")
+    cal.add_argument("--text", action="append", default=[], metavar="FILE",
+                     help="plain text to train on as well, in windows of 256 tokens (repeatable; training only)")
+    cal.add_argument("--max-new-tokens", "-n", type=int, default=128,
+                     help="tokens generated per prompt (default 128)")
+    cal.add_argument("--exit-layer", "-k", type=int, action="append", default=None,
+                     help="exit layer(s) to train, repeatable (default: 1/3 and 1/2 of the depth)")
+    cal.add_argument("--steps", type=int, default=1000, help="optimiser steps per exit layer (default 1000)")
+    cal.add_argument("--batch-size", type=int, default=256, help="positions per step (default 256)")
+    cal.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
+    cal.add_argument("--width", type=int, default=None,
+                     help="adapter hidden width (default: the model's hidden size; parameters ≈ 2·hidden·width)")
+    cal.add_argument("--holdout", type=float, default=0.1,
+                     help="share of prompts held out for α, in (0, 1) (default 0.1)")
+    cal.add_argument("--seed", type=int, default=0, help="seed of the split, initialisation and batches (default 0)")
+    cal.add_argument("--output", default=None,
+                     help="directory for the adapter files (default: beside the model's profile)")
+    cal.add_argument("--json", action="store_true", help="print the result as JSON")
+
     t = sub.add_parser("tune", help="find the fastest k and γ for this model on this machine; --method auto uses it",
                        description="Decode the prompts with plain AR, read off exactly what each exit layer would draft "
                                    "(α by k and draft position), time c(k) and the verify cost v(k, n) here, predict the "
@@ -175,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             return _calc(args)
         if args.command == "tune":
             return _tune(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
         from selfspec.bench import run_bench
 
         return run_bench(args)
@@ -198,6 +237,7 @@ def _generate(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, threshold=args.threshold,
         skip=args.skip, skip_ratio=args.skip_ratio, every=args.every, ngram=args.ngram, profile=args.profile,
+        exit_adapter=args.exit_adapter,
     )
     _check_options(options)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
@@ -288,6 +328,53 @@ def _search(args) -> int:
               f"α {b.alpha if b.alpha is None else round(b.alpha, 2)}, c {b.cost if b.cost is None else round(b.cost, 2)}, "
               f"{len(result.trials)} sets measured on {len(prompts)} prompts × {args.max_new_tokens} tokens")
         print(f"saved to {path}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    import selfspec
+    from selfspec.bench import load_prompts
+    from selfspec.calibrate import calibrate, save
+
+    for name in ("num_prompts", "max_new_tokens", "steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.width is not None and args.width < 1:
+        raise ValueError(f"--width must be >= 1, got {args.width}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not 0 < args.holdout < 1:
+        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
+    prompts = [p.text for p in load_prompts(args.prompts, 10**9, default="calibration_train.jsonl")][: args.num_prompts]
+    texts = []
+    for path in args.text:
+        try:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        except OSError as err:
+            raise FileNotFoundError(f"cannot read --text {path}: {err.strerror}") from None
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    result = calibrate(model, prompts, texts=texts, exit_layers=args.exit_layer, max_new_tokens=args.max_new_tokens,
+                       steps=args.steps, batch_size=args.batch_size, lr=args.lr, width=args.width,
+                       holdout=args.holdout, seed=args.seed, progress=not args.json)
+    setup = dict(model=model.name, dtype=args.dtype, prompts=len(prompts),
+                 prompt_source=args.prompts or "bundled calibration_train.jsonl", texts=len(texts),
+                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    save(result, model.identity, args.output, setup)
+    if args.json:
+        print(json.dumps({"model": model.name, **setup, **result.to_json()}))
+        return 0
+    print(f"{model.name}, {args.dtype}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens"
+          + (f" + {len(texts)} text file(s)" if texts else "")
+          + f"; {result.train_positions} training and {result.held_out_positions} held-out positions "
+            f"({result.sequences} sequences); data {result.data_seconds:.0f} s; {args.steps} steps × "
+            f"{args.batch_size} positions per k")
+    print()
+    print(result.table())
+    print()
+    for k, path in sorted(result.paths.items()):
+        print(f"adapter k={k}: {path}")
+    print(f"profile: {result.profile} (exit-adapter: k={result.best}, used by early exit at that k)")
     return 0
 
 

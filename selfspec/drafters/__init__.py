@@ -1,9 +1,10 @@
 """Drafters, one file per family, all behind the interface in `base`.
 
 DRAFTERS maps a method name (as the CLI and the API take it) to a factory. Every factory receives
-the same keyword options (model, exit_layer, draft_len, threshold, skip, skip_ratio, every,
-profile, ...), with None meaning "the drafter's own default", and picks the ones it uses; adding a
-drafter never touches the engine or the CLI.
+the same keyword options (exit_layer, draft_len, threshold, skip, skip_ratio, every, ngram,
+exit_adapter, profile (the model's profile, a dict), identity (the model's ModelIdentity), ...),
+with None meaning "the drafter's own default", and picks the ones it uses; adding a drafter never
+touches the engine or the CLI.
 """
 
 from collections.abc import Callable
@@ -19,7 +20,15 @@ def _given(options: dict, *names: str) -> dict:
 
 
 def _early_exit(**o) -> Drafter:
-    return EarlyExit(o["exit_layer"], 4 if o.get("draft_len") is None else o["draft_len"])
+    """exit_adapter: None uses the profile's adapter when its k is the one asked (or none is
+    asked: then k is the adapter's), a path uses that file, False or "none" uses no adapter."""
+    from selfspec.exit_adapter import exit_adapter_for
+
+    k = o.get("exit_layer")
+    adapter = exit_adapter_for(o.get("exit_adapter"), o.get("profile") or {}, o.get("identity"), k)
+    if k is None and adapter is not None:
+        k = adapter.exit_layer
+    return EarlyExit(k, 4 if o.get("draft_len") is None else o["draft_len"], exit_adapter=adapter)
 
 
 def _layer_skip(**o) -> Drafter:

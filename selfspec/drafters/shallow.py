@@ -9,6 +9,8 @@ draft-time KV that the verify overwrites in place; then the model's own norm and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from selfspec.drafters.base import Draft, DraftContext
@@ -23,9 +25,12 @@ def draft_shallow(
     start: int,
     gamma: int,
     threshold: float = 0.0,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Draft:
     """Draft up to γ tokens after `pending` (at position `start`). With threshold > 0, stop after
-    the first token whose draft top-1 probability is below it (confidence-aware drafting)."""
+    the first token whose draft top-1 probability is below it (confidence-aware drafting).
+    transform: applied to the last layer's hidden state before the head (an exit adapter); the
+    `exit_hidden` the verify continues from stay the raw states."""
     adapter = ctx.adapter
     if gamma <= 0:
         return Draft(tokens=pending.new_empty(0))
@@ -39,7 +44,7 @@ def draft_shallow(
         h = adapter.run_layers(adapter.embed(token), before, start + i, ctx.cache)  # [1, 1, hidden]
         hidden.append(h)
         h = adapter.run_layers(h, after, start + i, ctx.cache, skip=skip)
-        logits = adapter.head(h)  # [1, vocab]
+        logits = adapter.head(h if transform is None else transform(h))  # [1, vocab]
         if ctx.sampling.greedy:
             token = logits.argmax(-1)
             confident = threshold <= 0 or top1_probability(logits) >= threshold

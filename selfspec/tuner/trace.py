@@ -44,14 +44,8 @@ def trace(adapter, prompt: list[int], tokens: list[int], limit: int, exit_layers
     stopped = len(tokens) < limit  # at an EOS: feed every token, the last position predicts it
     ids = torch.tensor(prompt + (tokens if stopped else tokens[:-1]), dtype=torch.long, device=adapter.device)
     first = len(prompt) - 1  # the position whose logits predict the first output token
-    cache = adapter.new_cache(ids.numel())
-    h = adapter.embed(ids)
-    predicted = {}
-    for i in range(adapter.n_layers):
-        h = adapter.run_layers(h, [i], 0, cache)
-        k = i + 1  # h is now the state after layers 0 .. k-1: the exit-k draft's
-        if k in exit_layers:
-            predicted[k] = adapter.head(h[:, first:]).argmax(-1).cpu().numpy()  # [n]
+    states, h = exit_states(adapter, ids, exit_layers)
+    predicted = {k: adapter.head(s[:, first:]).argmax(-1).cpu().numpy() for k, s in states.items()}  # k -> [n]
     output = list(tokens)
     if stopped:
         output.append(int(adapter.head(h[:, -1:]).argmax(-1)))
@@ -61,6 +55,20 @@ def trace(adapter, prompt: list[int], tokens: list[int], limit: int, exit_layers
         hits[k] = p == target
         hits[k][0] = False  # the first token comes from the prefill, never from a draft
     return Trace(prompt, output, limit, hits)
+
+
+def exit_states(adapter, ids: torch.Tensor, exit_layers) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """One full forward over ids [n] (positions 0 .. n-1, a cache of its own): the hidden states
+    [1, n, hidden] after layers 0 .. k-1 (what the exit-k draft sees) for each k in
+    `exit_layers`, and the final states before the final norm."""
+    cache = adapter.new_cache(ids.numel())
+    h = adapter.embed(ids)
+    states = {}
+    for i in range(adapter.n_layers):
+        h = adapter.run_layers(h, [i], 0, cache)
+        if i + 1 in exit_layers:
+            states[i + 1] = h
+    return states, h
 
 
 def replay_early_exit(t: Trace, exit_layer: int, draft_len: int) -> Rounds:
