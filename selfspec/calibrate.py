@@ -9,11 +9,13 @@ Terms (beyond those defined in selfspec.stats and selfspec.exit_adapter):
             adapter exists to raise.
 
 Data: the model's own greedy continuations of prompts (what the draft will see when decoding),
-read off while they are generated: each decode step's forward holds h_k at the position just fed
-and the full model's logits there, which is all that teacher forcing the output would recompute.
-Plain text given is teacher-forced instead, one full forward per window. The base model is frozen
-throughout. The split into training and held-out positions is by prompt, so α after is measured
-on text the adapter never saw.
+read off while they are generated: each forward of generate() holds h_k and the final hidden
+state at the positions it computes, which is all that teacher forcing the output would
+recompute. Besides the outputs' positions, the prompts' own positions (computed by the prefill
+anyway) are examples too: three times the data for nothing on the bundled set, which keeps the
+adapter from overfitting. Plain text given is teacher-forced, one full forward per window. The
+base model is frozen throughout. The split is by prompt: held-out prompts are never trained on,
+and α is measured on their outputs, where drafts run.
 
 Loss: a [positions, vocab] teacher table would be 49k floats per position for SmolLM2, so the
 teacher is kept as its top TOP token ids and log-probabilities, and the KL is taken between p and
@@ -90,6 +92,7 @@ class Trained:
 class Calibration:
     trained: dict[int, Trained]  # by k
     train_positions: int
+    train_outputs: int  # of which positions of output tokens (the rest: prompts and plain text)
     held_out_positions: int
     sequences: int
     model_params: int
@@ -113,7 +116,8 @@ class Calibration:
 
     def to_json(self) -> dict:
         return dict(
-            train_positions=self.train_positions, held_out_positions=self.held_out_positions,
+            train_positions=self.train_positions, train_outputs=self.train_outputs,
+            held_out_positions=self.held_out_positions,
             sequences=self.sequences, model_params=self.model_params, data_seconds=round(self.data_seconds, 1),
             best_exit_layer=self.best, profile=str(self.profile) if self.profile else None,
             exit_layers={str(k): {**t.summary(), "params": t.adapter.n_params, "path": str(self.paths.get(k, ""))}
@@ -422,8 +426,8 @@ def calibrate(model, prompts: list, *, texts: list[str] = (), exit_layers: list[
             steps=steps, batch_size=batch_size, lr=lr,
             seed=seed, progress=progress)
     model_params = sum(p.numel() for p in model.hf_model.parameters())
-    return Calibration(trained, len(train_rows), len(held_rows), len(encoded) + len(windows), model_params,
-                       data_seconds)
+    return Calibration(trained, len(train_rows), int(positions.output[train_rows].sum()), len(held_rows),
+                       len(encoded) + len(windows), model_params, data_seconds)
 
 
 def save(result: Calibration, identity, directory: str | Path | None = None, setup: dict | None = None) -> None:

@@ -366,9 +366,9 @@ def _calibrate(args) -> int:
         return 0
     print(f"{model.name}, {args.dtype}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens"
           + (f" + {len(texts)} text file(s)" if texts else "")
-          + f"; {result.train_positions} training and {result.held_out_positions} held-out positions "
-            f"({result.sequences} sequences); data {result.data_seconds:.0f} s; {args.steps} steps × "
-            f"{args.batch_size} positions per k")
+          + f"; {result.train_positions} training positions ({result.train_outputs} in outputs, the rest in "
+            f"prompts{' and text' if texts else ''}), {result.held_out_positions} held-out output positions; "
+            f"data {result.data_seconds:.0f} s; {args.steps} steps × {args.batch_size} positions per k")
     print()
     print(result.table())
     print()
