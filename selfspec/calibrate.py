@@ -325,7 +325,7 @@ def evaluate(adapter, exit_adapter: ExitAdapter, h, teacher_ids, teacher_logp, b
 
 def train_exit_adapter(adapter, exit_adapter: ExitAdapter, train: tuple, held_out: tuple, *, steps: int,
                        seen: tuple | None = None,
-                       batch_size: int = 256, lr: float = 1e-3, weight_decay: float = 0.01, seed: int = 0,
+                       batch_size: int = 256, lr: float = 3e-3, weight_decay: float = 0.01, seed: int = 0,
                        eval_every: int = 100, progress: bool = True) -> Trained:
     """Fit `exit_adapter` (in place) on `train` = (h_k [n, hidden], teacher ids, teacher log-probs)
     with AdamW, linear warm-up then cosine decay of the learning rate; `held_out` likewise, for α;
@@ -381,7 +381,7 @@ def default_exit_layers(n_layers: int) -> list[int]:
 
 
 def calibrate(model, prompts: list, *, texts: list[str] = (), exit_layers: list[int] | None = None,
-              max_new_tokens: int = 128, steps: int = 1000, batch_size: int = 256, lr: float = 1e-3,
+              max_new_tokens: int = 128, steps: int = 500, batch_size: int = 256, lr: float = 3e-3,
               width: int | None = None, holdout: float = 0.1, seed: int = 0, prompt_examples: bool = True,
               generate_batch: int = 32, progress: bool = True) -> Calibration:
     """Train one exit adapter per k in `exit_layers` on the model's own greedy continuations of
