@@ -38,7 +38,13 @@ class Candidate:
     predicted: float  # speedup over AR
     measured: float | None = None  # speedup over AR, timed (only for the checked candidates)
     measured_alpha: float | None = None
-    identical: str | None = None  # "6/6": outputs token-identical to AR in the timed check
+    same: int = 0  # timed prompts whose output was token-identical to AR's
+    runs: int = 0  # timed prompts (0: not checked)
+
+    @property
+    def identical(self) -> str | None:
+        """"6/6"-style, or None when not checked."""
+        return f"{self.same}/{self.runs}" if self.runs else None
 
     @property
     def label(self) -> str:
@@ -74,8 +80,7 @@ class TuneResult:
     @property
     def best(self) -> Candidate | None:
         """The fastest timed candidate that beat AR with identical output; None: AR is fastest."""
-        good = [c for c in self.checked if c.measured and c.measured > 1.0 and c.identical
-                and c.identical.split("/")[0] == c.identical.split("/")[1]]
+        good = [c for c in self.checked if c.runs and c.measured > 1.0 and c.same == c.runs]
         return max(good, key=lambda c: c.measured, default=None)
 
     def choice(self) -> dict:
@@ -202,7 +207,7 @@ def _timed_check(model, encoded, checked, max_new_tokens, ngram, progress) -> fl
     for i, c in enumerate(checked, 1):
         c.measured = tokens[i] / seconds[i] / ar_tps
         c.measured_alpha = merged[i].alpha
-        c.identical = f"{same[i]}/{len(encoded)}"
+        c.same, c.runs = same[i], len(encoded)
     return ar_tps
 
 
