@@ -9,11 +9,11 @@
 All relative to `step_s`, one full-depth one-token forward at the same context length. Every
 quantity is timed `repeats` times, round-robin so that drift on a noisy machine spreads over all
 of them, and the median is kept. Each timing is of a second call right after a first of the same
-shape: a first call after other shapes runs measurably slower on a CPU (SmolLM2: v(1) 1.17 cold,
-1.00 warm), and a decode repeats the same shapes round after round.
+shape: a first call after other shapes runs measurably slower on a CPU (a one-off check on SmolLM2
+here: v(1) about 1.17 cold, 1.00 warm), and a decode repeats the same shapes round after round.
 
-On a CPU v(n) grows with n: more rows through every weight matrix (SmolLM2 on 2 cores: v(2) is
-already about 1.7), and the verify's attention runs row by row to stay bit-identical to decoding.
+On a CPU v(n) grows with n: more rows through every weight matrix (SmolLM2 on 2 cores: v(2) = 1.54
+in results/tune_smollm2/tune.json), and the verify's attention runs row by row to stay bit-identical to decoding.
 On a GPU it is close to 1 for small n.
 """
 
