@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.cache import KVCache
+from selfspec.moe import routed
 from selfspec.skips import SkipSet
 
 NO_SKIP = SkipSet()
@@ -29,6 +30,15 @@ ARCHITECTURES = {
     "qwen3": "pre-norm",
     "phi3": "pre-norm",
     "gemma3_text": "sandwich",
+    # Mixture-of-experts decoders: Llama-style blocks whose `mlp` is a sparse MoE block (selfspec.moe).
+    "mixtral": "pre-norm",
+    "qwen2_moe": "pre-norm",
+    "qwen3_moe": "pre-norm",
+}
+# Model types left out on purpose, with the reason the error gives.
+UNSUPPORTED = {
+    "olmoe": "OLMoE normalises q and k over the whole projection (all heads together) and may clip q, k, v; "
+             "selfspec's attention normalises per head (Qwen3), so it would not compute OLMoE's attention",
 }
 
 
@@ -46,10 +56,13 @@ class ModelAdapter:
     def __init__(self, hf_model: torch.nn.Module):
         config = hf_model.config
         model_type = getattr(config, "model_type", None)
+        if model_type in UNSUPPORTED:
+            raise UnsupportedModelError(f"selfspec does not support {model_type!r}: {UNSUPPORTED[model_type]}")
         if model_type not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"selfspec cannot split model type {model_type!r} into layers; supported: "
-                f"{', '.join(sorted(ARCHITECTURES))} (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 text)"
+                f"{', '.join(sorted(ARCHITECTURES))} (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 text, "
+                f"Mixtral, Qwen2-MoE, Qwen3-MoE)"
             )
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError("bidirectional attention is not a decoder: cannot speculate on it")
@@ -75,7 +88,7 @@ class ModelAdapter:
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.n_layers
         self.specs = [
             LayerSpec(
-                window=getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None)),
+                window=_window(config, layer.self_attn, i),
                 rope=layer_types[i],
             )
             for i, layer in enumerate(self.layers)
@@ -114,6 +127,7 @@ class ModelAdapter:
         skip: SkipSet = NO_SKIP,
         write: bool = True,
         record: dict | None = None,
+        experts: int | None = None,
     ) -> torch.Tensor:
         """Run `layers` (indices, in order) on h [1, n, hidden] at positions start .. start+n-1.
 
@@ -126,6 +140,8 @@ class ModelAdapter:
         candidate states of one token at position `start`, each attending to the cache and itself.
         record: if a dict, receives each sublayer's output (the residual it adds), keyed
         ("attn", i) and ("mlp", i).
+        experts: route each MoE layer's tokens to only this many experts (a draft; see selfspec.moe);
+        None runs the model's own routing.
 
         rowwise=True (the verify) makes every row's result bit-identical to running its token
         alone, as autoregressive decoding does: the projections and MLPs batch the rows (their
@@ -141,19 +157,38 @@ class ModelAdapter:
             spec = self.specs[i]
             if spec.window not in masks:
                 masks[spec.window] = None if rowwise else _causal_mask(start, n, spec.window, self.device)
-            h = self._layer(i, h, start, cache, masks[spec.window], rowwise, skip, write, record)
+            h = self._layer(i, h, start, cache, masks[spec.window], rowwise, skip, write, record, experts)
+        return h
+
+    def run_rows(self, h: torch.Tensor, layers, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """Run `layers` on rows of different sequences: h [B, n, hidden], row b at positions
+        starts[b] .. starts[b]+n-1 of its own cache caches[b] (a batched verify).
+
+        Projections and MLPs batch all B·n rows; attention runs per row and per query over that
+        row's own cache, exactly as `run_layers(..., rowwise=True)` does for one sequence, so every
+        row's result is the one its sequence would get alone.
+        """
+        if len(starts) != h.shape[0] or len(caches) != h.shape[0]:
+            raise ValueError(f"{h.shape[0]} rows need as many starts and caches, got {len(starts)} and {len(caches)}")
+        rows = _Rows(list(starts), list(caches))
+        for i in layers:
+            h = self._layer(i, h, rows, None, None, True, NO_SKIP, True, None)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden states [1, n, hidden] -> logits [n, vocab] in float32."""
-        logits = self.lm_head(self.norm(h))[0].float()
+        return self.head_rows(h)[0]
+
+    def head_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden states [B, n, hidden] -> logits [B, n, vocab] in float32."""
+        logits = self.lm_head(self.norm(h)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
     # -- one decoder layer --------------------------------------------------------------------
 
-    def _layer(self, i, h, start, cache, mask, rowwise, skip, write, record) -> torch.Tensor:
+    def _layer(self, i, h, start, cache, mask, rowwise, skip, write, record, experts=None) -> torch.Tensor:
         layer = self.layers[i]
         sandwich = self.layout == "sandwich"
         if i not in skip.attn:
@@ -166,7 +201,7 @@ class ModelAdapter:
             h = h + a
         if i not in skip.mlp:
             x = layer.pre_feedforward_layernorm(h) if sandwich else _rms_norm(layer.post_attention_layernorm, h)
-            m = layer.mlp(x)
+            m = layer.mlp(x) if experts is None else routed(layer.mlp, x, experts)
             if sandwich:
                 m = layer.post_feedforward_layernorm(m)
             if record is not None:
@@ -189,6 +224,9 @@ class ModelAdapter:
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         spec = self.specs[i]
         cos, sin = self._rope[spec.rope]
+        if isinstance(start, _Rows):
+            out = self._attention_rows(i, q, k, v, start, cos, sin)
+            return attn.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
         cos, sin = cos[start : start + n], sin[start : start + n]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if not write:
@@ -200,6 +238,19 @@ class ModelAdapter:
             cache.write(i, start, k, v)
             out = self._sdpa(i, q, start, cache, mask)
         return attn.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+
+    def _attention_rows(self, i, q, k, v, rows: _Rows, cos, sin) -> torch.Tensor:
+        """Attention for rows of different sequences (see run_rows): q, k, v [B, heads, n, head_dim]."""
+        n = q.shape[2]
+        index = torch.tensor(rows.starts, device=q.device).view(-1, 1) + torch.arange(n, device=q.device)
+        cos, sin = cos[index].unsqueeze(1), sin[index].unsqueeze(1)  # [B, 1, n, rotary_dim]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = []
+        for b, (start, cache) in enumerate(zip(rows.starts, rows.caches)):
+            cache.write(i, start, k[b : b + 1], v[b : b + 1])
+            out.append(torch.cat([self._sdpa(i, q[b : b + 1, :, j : j + 1], start + j, cache, None)
+                                  for j in range(n)], dim=2))  # [1, heads, n, head_dim]
+        return torch.cat(out, dim=0)
 
     def _sdpa(self, i: int, q: torch.Tensor, start: int, cache: KVCache, mask) -> torch.Tensor:
         """Attention of queries q [1, heads, n, head_dim] at start .. start+n-1 over the cache."""
@@ -239,6 +290,28 @@ class ModelAdapter:
             args = (probe, positions, rope) if self._rope_by_type else (probe, positions)
             cos, sin = self.rotary(*args)
             self._rope[rope] = (cos[0], sin[0])  # [capacity, rotary_dim]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Where each row of a batch of sequences sits: its first position and its own cache."""
+
+    starts: list[int]
+    caches: list[KVCache]
+
+
+def _window(config, attn: torch.nn.Module, i: int) -> int | None:
+    """Layer i's sliding window, None for full attention. The attention module's own
+    `sliding_window` wins; without one, a config with per-layer `layer_types` marks full layers
+    (Qwen2-MoE sets the attribute on its sliding layers only), else the config's window applies
+    to every layer (Mistral, Mixtral). 0 means none (Qwen2-MoE without use_sliding_window)."""
+    if hasattr(attn, "sliding_window"):
+        window = attn.sliding_window
+    elif getattr(config, "layer_types", None) is not None and config.layer_types[i] == "full_attention":
+        window = None
+    else:
+        window = getattr(config, "sliding_window", None)
+    return window or None
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

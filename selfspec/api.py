@@ -113,10 +113,11 @@ class SelfSpecModel:
             ids = self.tokenizer(prompt)["input_ids"]
         return torch.as_tensor(ids, dtype=torch.long)
 
-    def stream(
+    def prepare(
         self,
         prompt: str | Sequence[int],
         *,
+        fresh_drafter: bool = False,
         method: str = "auto",
         exit_layer: int | None = None,
         draft_len: int | None = None,
@@ -127,6 +128,8 @@ class SelfSpecModel:
         ngram: int | None = None,
         profile: str | None = None,
         exit_adapter: str | bool | None = None,
+        draft_vocab: int | None = None,
+        experts: int | None = None,
         drafter: Drafter | None = None,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
@@ -135,9 +138,9 @@ class SelfSpecModel:
         seed: int | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
-    ) -> Stream:
-        """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
-        are raised here, before any model work.
+    ) -> Prepared:
+        """Check a generation's arguments and resolve them (tokens, drafter, sampling), before any
+        model work; `stream`, `generate` and the server take the same options.
 
         method: a drafter name (see selfspec.drafters.METHODS), or "auto" (the default): the
         configuration `selfspec tune` chose for this model, else early exit. Its knobs, None meaning the
@@ -149,13 +152,18 @@ class SelfSpecModel:
         n-gram), profile (a profile file instead of this model's saved one), exit_adapter (early
         exit's trained exit adapter from `selfspec calibrate`: None uses the profile's when its k
         is the one asked, and without a k asked makes its k the default; a path uses that file;
-        False or "none" uses none). drafter: a drafter instance to use instead (its state carries
-        over between calls).
+        False or "none" uses none), draft_vocab (early exit drafts with a head pruned to the N most
+        frequent tokens of the ranking `selfspec calibrate` saved; None: the full head; output is
+        unchanged either way), experts (expert-subset's routed experts per token in each MoE layer of
+        the draft, default 1; its exit_layer defaults to the full depth). drafter: a drafter instance to use instead (its state carries
+        over between calls). fresh_drafter: a new drafter instance even if one with the same
+        options exists (the server: each concurrent request needs its own).
         """
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if method == "auto" and drafter is None:
             method, exit_layer, draft_len = self.tuned(profile, exit_layer, draft_len)
         saved = load_profile(self.identity, profile)
+        asked_exit_layer = exit_layer  # before early exit's default: expert-subset's own is the full depth
         if exit_layer is None:
             exit_layer = adapter_exit_layer(exit_adapter, saved) or self.default_exit_layer()
         if not 1 <= exit_layer <= self.n_layers:
@@ -167,25 +175,64 @@ class SelfSpecModel:
         if drafter is None:
             options = dict(exit_layer=exit_layer, draft_len=draft_len, threshold=threshold, skip=skip,
                            skip_ratio=skip_ratio, every=every, ngram=ngram, profile=profile,
-                           exit_adapter=exit_adapter)
+                           exit_adapter=exit_adapter, draft_vocab=draft_vocab, experts=experts,
+                           asked_exit_layer=asked_exit_layer)
             key = (method, *options.items())
-            if key not in self._drafters:
-                self._drafters[key] = make_drafter(
-                    method, **{**options, "profile": saved, "identity": self.identity}
-                )
-            drafter = self._drafters[key]
+            options = {**options, "profile": saved, "identity": self.identity}
+            if fresh_drafter:
+                drafter = make_drafter(method, **options)
+            else:
+                if key not in self._drafters:
+                    self._drafters[key] = make_drafter(method, **options)
+                drafter = self._drafters[key]
         ids = self.encode(prompt, chat)
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
-        result = Generation(text="", tokens=[], stats=stats)
+        return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats)
+
+    def stream(self, prompt: str | Sequence[int], **options) -> Stream:
+        """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
+        are raised here, before any model work. Options: see `prepare`."""
+        p = self.prepare(prompt, **options)
+        result = Generation(text="", tokens=[], stats=p.stats)
         rounds = decode(
-            self.adapter, ids, drafter, sampling=sampling, max_new_tokens=max_new_tokens,
-            eos_ids=self.eos_ids, stats=stats,
+            self.adapter, p.ids, p.drafter, sampling=p.sampling, max_new_tokens=p.max_new_tokens,
+            eos_ids=self.eos_ids, stats=p.stats,
         )
-        return Stream(self._chunks(rounds, result, stop), result)
+        return Stream(self._chunks(rounds, result, p.stop), result)
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, max_batch: int = 8, **options) -> list[Generation]:
+        """Generate for several prompts decoded together in one batch (continuous batching: see
+        selfspec.batch); same options as `stream`, applied to every prompt. Each result is what
+        `generate` gives for that prompt alone (greedy: token for token)."""
+        from selfspec.batch import Request, Scheduler
+
+        scheduler = Scheduler(self.adapter, max_batch=max_batch, max_queue=len(prompts))
+        results, errors = [], []
+        for prompt in prompts:
+            p = self.prepare(prompt, fresh_drafter=True, **options)
+            result = Generation(text="", tokens=[], stats=p.stats)
+            text = Detokenizer(self.tokenizer, p.stop)
+
+            def on_tokens(tokens, result=result, text=text):
+                result.tokens += tokens
+                text.feed(tokens)
+                result.text = text.text
+                return not text.stopped
+
+            scheduler.submit(Request(p.ids, p.drafter, p.sampling, p.max_new_tokens, p.stats, on_tokens,
+                                     on_done=lambda error: errors.append(error) if error else None,
+                                     eos_ids=self.eos_ids))
+            results.append(result)
+        while scheduler.step():
+            pass
+        if errors:
+            raise errors[0]
+        return results
+
 
     def tuned(self, profile: str | None = None, exit_layer: int | None = None,
               draft_len: int | None = None) -> tuple[str, int | None, int | None]:
@@ -212,33 +259,71 @@ class SelfSpecModel:
 
     def _chunks(self, rounds: Iterator[list[int]], result: Generation, stop: list[str]) -> Iterator[Chunk]:
         """Turn committed token lists into text chunks, cutting at the first stop string."""
-        holdback = max((len(s) for s in stop), default=1) - 1
-        shown = 0  # characters of result.text already yielded
+        text = Detokenizer(self.tokenizer, stop)
         try:
             for tokens in rounds:
                 result.tokens += tokens
-                if self.tokenizer is None:
-                    yield Chunk(tokens, "")
-                    continue
-                text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
-                cut = _find_stop(text, stop, max(0, shown - holdback))
-                if cut is not None:
-                    result.text = text[:cut]
-                    yield Chunk(tokens, result.text[shown:])
+                shown = text.feed(tokens)
+                result.text = text.text
+                yield Chunk(tokens, shown)
+                if text.stopped:
                     return
-                result.text = text
-                ready = len(text) - holdback
-                while ready > shown and text[ready - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                    ready -= 1
-                if ready > shown:
-                    yield Chunk(tokens, text[shown:ready])
-                    shown = ready
-                else:
-                    yield Chunk(tokens, "")
-            if len(result.text) > shown:
-                yield Chunk([], result.text[shown:])
+            rest = text.finish()
+            if rest:
+                yield Chunk([], rest)
         finally:
             rounds.close()
+
+
+@dataclass
+class Prepared:
+    """A generation's resolved arguments (see SelfSpecModel.prepare)."""
+
+    ids: torch.Tensor  # prompt token ids [n]
+    drafter: Drafter
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop: list[str]
+    stats: GenerationStats
+
+
+class Detokenizer:
+    """Committed tokens in, text ready to show out: holds back what may still become a stop string
+    or is an incomplete UTF-8 sequence, and cuts the text at the first stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""  # everything decoded so far, cut at a stop string
+        self.shown = 0  # characters of text already returned
+        self.stopped = False
+
+    def feed(self, tokens: list[int]) -> str:
+        """Add a round's tokens; return the new text that is safe to show."""
+        self.tokens += tokens
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = _find_stop(text, self.stop, max(0, self.shown - self.holdback))
+        if cut is not None:
+            self.text, self.stopped = text[:cut], True
+            return self._show(len(self.text))
+        self.text = text
+        ready = len(text) - self.holdback
+        while ready > self.shown and text[ready - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+            ready -= 1
+        return self._show(ready)
+
+    def finish(self) -> str:
+        """The generation ended: whatever text was held back."""
+        return self._show(len(self.text))
+
+    def _show(self, upto: int) -> str:
+        if upto <= self.shown:
+            return ""
+        out, self.shown = self.text[self.shown : upto], upto
+        return out
 
 
 def _find_stop(text: str, stop: list[str], search_from: int) -> int | None:

@@ -102,6 +102,8 @@ class Method:
     exit_layer: int | None = None
     draft_len: int | None = None  # None: the drafter's own default
     hf_kwargs: dict = field(default_factory=dict)  # "hf": extra generate() arguments; none is its AR
+    draft_vocab: int | None = None  # early exit's pruned draft head size (--draft-vocab); None: the full head
+    experts: int | None = None  # expert-subset's routed experts per token per MoE layer (--experts)
     total: Tally = field(default_factory=Tally)
     by_category: dict[str, Tally] = field(default_factory=dict)
 
@@ -195,14 +197,16 @@ def _methods(args, model) -> list[Method]:
     `selfspec tune` chose; early exit without -k/-g takes k and γ from the tune when it chose early
     exit."""
     from selfspec.drafters import METHODS
+    from selfspec.moe import experts_per_token
     from selfspec.profiles import load_profile
     from selfspec.tuner import SECTION as TUNE
 
     profile = load_profile(model.identity)
     tuned = profile.get(TUNE) or {}
     names = [name for entry in (args.method or ["early-exit"]) for name in entry.split(",")]
+    top_k = experts_per_token(model.adapter.layers)  # None: a dense model, which expert-subset cannot draft
     if "all" in names:
-        names = (["auto"] if tuned else []) + [m for m in METHODS if m != "ar"]
+        names = (["auto"] if tuned else []) + [m for m in METHODS if m != "ar" and (top_k or m != "expert-subset")]
     unknown = sorted(set(names) - set(METHODS) - {"auto"})
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from: all, auto, {', '.join(METHODS)}")
@@ -221,7 +225,15 @@ def _methods(args, model) -> list[Method]:
             out.append(Method(f"auto (tuned: {what})", tuned["method"], k, g))
         elif name == "early-exit":
             tag = " (tuned)" if from_tune and not (args.exit_layer or args.draft_len) else ""
-            out += [Method(f"early-exit k={k} γ={g or 4}{tag}", name, k, g or 4) for k in exit_layers for g in draft_lens]
+            vocab = getattr(args, "draft_vocab", None)
+            tag += f" V={vocab}" if vocab else ""
+            out += [Method(f"early-exit k={k} γ={g or 4}{tag}", name, k, g or 4, draft_vocab=vocab)
+                    for k in exit_layers for g in draft_lens]
+        elif name == "expert-subset":
+            if top_k is None:
+                raise ValueError(f"--method expert-subset needs a mixture-of-experts model; {model.name} is dense")
+            out += [Method(f"expert-subset {e}/{top_k} experts γ={draft_lens[0] or 4}", name, None, draft_lens[0],
+                           experts=e) for e in getattr(args, "experts", None) or [1]]
         elif name == "hybrid":
             fallback = "layer-skip" if "layer-skip" in profile else f"early-exit k={exit_layers[0]}"
             out.append(Method(f"hybrid (lookup, else {fallback})", name, exit_layers[0], draft_lens[0]))
@@ -269,7 +281,7 @@ def _run(model, m: Method, ids: torch.Tensor, n: int) -> Run:
     if m.method == "hf":
         return Run(*hf_generate(model, ids, n, m.hf_kwargs))
     result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
-                            max_new_tokens=n)
+                            draft_vocab=m.draft_vocab, experts=m.experts, max_new_tokens=n)
     return Run(result.tokens, result.stats.wall_s, result.stats, result.stats.kv_cache_bytes)
 
 

@@ -25,6 +25,9 @@ It is exact where agreement is decided (the teacher's likely tokens), never exce
 KL, and still charges q for mass it spreads outside the teacher's top tokens (q_rest). The
 student's logits span the full vocabulary: the head's forward and backward are the main cost of
 a step.
+
+Also counted: how often each token occurs in the prompts and the model's outputs, ranked and saved
+for the pruned draft head (selfspec.draft_head, `--draft-vocab N`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from selfspec import draft_head
 from selfspec.exit_adapter import SECTION, ExitAdapter, default_path, save_exit_adapter
 from selfspec.profiles import save_section
 from selfspec.tuner.trace import exit_states
@@ -99,6 +103,8 @@ class Calibration:
     data_seconds: float  # generating and teacher-forcing the data
     paths: dict[int, Path] = field(default_factory=dict)  # by k, once saved
     profile: Path | None = None
+    token_counts: torch.Tensor | None = None  # [vocab]: the prompts' and outputs' tokens, for the draft head
+    draft_head_path: Path | None = None  # once saved
 
     @property
     def best(self) -> int:
@@ -120,6 +126,7 @@ class Calibration:
             held_out_positions=self.held_out_positions,
             sequences=self.sequences, model_params=self.model_params, data_seconds=round(self.data_seconds, 1),
             best_exit_layer=self.best, profile=str(self.profile) if self.profile else None,
+            draft_head=str(self.draft_head_path) if self.draft_head_path else None,
             exit_layers={str(k): {**t.summary(), "params": t.adapter.n_params, "path": str(self.paths.get(k, ""))}
                          for k, t in sorted(self.trained.items())},
         )
@@ -139,7 +146,7 @@ class Sequence:
 @torch.no_grad()
 def self_distillation(model, prompts: list[torch.Tensor], exit_layers: list[int], max_new_tokens: int, *,
                       prompt_examples: bool = True, batch_size: int = 32, batch_tokens: int = 8192,
-                      progress: bool = True) -> Positions:
+                      progress: bool = True, outputs: dict[int, list[int]] | None = None) -> Positions:
     """The model's greedy continuation of each prompt (ids [n]), and the examples read off it.
 
     Prompts run in batches through transformers' generate(), left-padded, similar lengths together,
@@ -148,7 +155,8 @@ def self_distillation(model, prompts: list[torch.Tensor], exit_layers: list[int]
     hidden state at every position each forward computes. Examples: the positions of output tokens
     (the ones a draft is fed), and with prompt_examples those of the prompt after its first token
     (the prefill computed them anyway). In a batch a near-tie can break differently from batch 1:
-    harmless for training data."""
+    harmless for training data. `outputs`, if a dict, receives each prompt's output tokens by
+    prompt index (up to and including its EOS)."""
     from transformers import GenerationConfig
 
     adapter = model.adapter
@@ -177,6 +185,8 @@ def self_distillation(model, prompts: list[torch.Tensor], exit_layers: list[int]
             for row, i in enumerate(batch):
                 tokens = generated[row]
                 n = next((j for j, t in enumerate(tokens) if t in model.eos_ids), len(tokens))
+                if outputs is not None:
+                    outputs[i] = tokens[:n + 1]
                 fed = range(1, min(n, len(tokens) - 1) + 1)  # steps fed an output token (not EOS or padding)
                 start = width - prompts[i].numel() + 1 if prompt_examples else width  # prefill columns kept
                 states = {k: torch.cat([steps[k][0][row, start:], *(steps[k][t][row] for t in fed)]) for k in layers}
@@ -397,8 +407,10 @@ def calibrate(model, prompts: list, *, texts: list[str] = (), exit_layers: list[
         raise ValueError(f"the held-out share must be in (0, 1), got {holdout}")
     t0 = time.perf_counter()
     encoded = [model.encode(p) for p in prompts]
+    outputs: dict[int, list[int]] = {}
     positions = self_distillation(model, encoded, exit_layers, max_new_tokens, prompt_examples=prompt_examples,
-                                  batch_size=generate_batch, progress=progress)
+                                  batch_size=generate_batch, progress=progress, outputs=outputs)
+    counts = draft_head.count_tokens([*encoded, *outputs.values()], adapter.lm_head.out_features)
     windows = [w for text in texts for w in text_windows(model, text)]
     if windows:
         positions = Positions.cat([positions, teacher_force(adapter, windows, exit_layers, progress=progress)])
@@ -427,12 +439,13 @@ def calibrate(model, prompts: list, *, texts: list[str] = (), exit_layers: list[
             seed=seed, progress=progress)
     model_params = sum(p.numel() for p in model.hf_model.parameters())
     return Calibration(trained, len(train_rows), int(positions.output[train_rows].sum()), len(held_rows),
-                       len(encoded) + len(windows), model_params, data_seconds)
+                       len(encoded) + len(windows), model_params, data_seconds, token_counts=counts)
 
 
 def save(result: Calibration, identity, directory: str | Path | None = None, setup: dict | None = None) -> None:
     """Write every k's adapter (named by default_path, in `directory` or beside the profiles) and
-    point the model's profile at the one with the best held-out α after training."""
+    point the model's profile at the one with the best held-out α after training; likewise the
+    token ranking for the pruned draft head."""
     for k, t in result.trained.items():
         summary = {**t.summary(), "train_positions": result.train_positions,
                    "held_out_positions": result.held_out_positions, **(setup or {})}
@@ -443,6 +456,14 @@ def save(result: Calibration, identity, directory: str | Path | None = None, set
         "alpha_before": round(best.alpha_before, 4), "alpha_after": round(best.alpha_after, 4),
         "params": best.adapter.n_params,
     })
+    if result.token_counts is not None:
+        path = draft_head.default_path(identity, directory)
+        source = {"sequences": result.sequences, **(setup or {})}
+        result.draft_head_path = draft_head.save_ranking(result.token_counts, path, identity, source)
+        result.profile = save_section(identity, draft_head.SECTION, {
+            "path": str(result.draft_head_path.resolve()), "tokens": int(result.token_counts.sum()),
+            "coverage": {str(n): round(c, 4) for n, c in draft_head.coverage(result.token_counts).items()},
+        })
 
 
 def _on(rows: tuple, device) -> tuple:

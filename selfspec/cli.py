@@ -1,5 +1,5 @@
-"""The `selfspec` command: one entry point, subcommands `generate`, `tune`, `search`, `calibrate`, `bench`
-and `calc`."""
+"""The `selfspec` command: one entry point, subcommands `generate`, `serve`, `tune`, `search`, `calibrate`,
+`bench` and `calc`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ METHOD_HELP = (
     "early-exit (layers < k), layer-skip (a skip set found by "
     "`selfspec search`, Draft & Verify), swift (layer set searched during decoding), clasp (layer set by "
     "dynamic programming per context), conflayers (confidence-adaptive skipping), lookup (copy from the "
-    "prompt/output, no model), hybrid (lookup when it matches, else early exit), ar (no draft; the baseline)"
+    "prompt/output, no model), hybrid (lookup when it matches, else early exit), expert-subset (mixture-of-experts "
+    "models: each MoE layer routes a token to --experts experts instead of the model's top-k; all layers unless "
+    "-k is given), saguaro (early exit that drafts the next round during each verify, for the outcome it "
+    "expects: speculative speculative decoding), ar (no draft; the baseline)"
 )
 
 
@@ -56,6 +59,17 @@ def _drafter_options(p: argparse.ArgumentParser) -> None:
                    help="early exit's trained exit adapter (a .safetensors file from `selfspec calibrate`), or "
                         "'none' for plain early exit; default: the profile's adapter when its k is the one asked "
                         "(without -k, its k becomes the default)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N", help=DRAFT_VOCAB_HELP)
+    p.add_argument("--experts", type=int, default=None, metavar="N",
+                   help="expert-subset: routed experts per token in each mixture-of-experts layer of the draft, "
+                        "1 .. the model's top-k (default 1); the verify uses the model's own routing")
+
+
+DRAFT_VOCAB_HELP = (
+    "early exit drafts with its head pruned to the N most frequent tokens (ranked by `selfspec calibrate` from "
+    "the model's own outputs): a cheaper draft, output unchanged (the verify uses the full head); default: "
+    "the full head"
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -87,6 +101,29 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the model's chat template (default: when the model has one)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, statistics) instead")
+
+    sv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server; concurrent requests are decoded together in one batch",
+        description="Serve the model over HTTP with the OpenAI API: POST /v1/chat/completions and /v1/completions "
+                    "(stream: true for server-sent events), GET /v1/models, /health and /metrics (Prometheus). "
+                    "Concurrent requests share each verify forward (continuous batching); every request's output "
+                    "is what it would be alone. Requests may choose speculation under the extension key "
+                    "'selfspec' (method, exit_layer, draft_len, threshold, ngram); the flags below are the "
+                    "server's defaults.")
+    _model_options(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    sv.add_argument("--api-key", default=os.environ.get("SELFSPEC_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                         "$SELFSPEC_API_KEY; unset: no key)")
+    sv.add_argument("--name", default=None, help="model name clients must send (default: the model's name)")
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    sv.add_argument("--max-queue", type=int, default=32,
+                    help="requests waiting for a free row before the server answers 503 (default 32)")
+    sv.add_argument("--method", default="auto", choices=["auto", *METHODS], help=METHOD_HELP)
+    sv.add_argument("--exit-layer", "-k", type=int, default=None, help="exit layer k (default: per method/profile)")
+    sv.add_argument("--draft-len", "-g", type=int, default=None, help="draft length γ (default: per method/profile)")
+    _drafter_options(sv)
 
     s = sub.add_parser("search", help="find the layer-skip set for this model (Bayesian optimisation)",
                        description="Search, offline, which attention and MLP sublayers the layer-skip draft should "
@@ -126,6 +163,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="exit layer(s) to run, repeatable (default: 3/4 of depth)")
     b.add_argument("--draft-len", "-g", type=int, action="append", default=None,
                    help="draft length(s) to run, repeatable (default 4)")
+    b.add_argument("--draft-vocab", type=int, default=None, metavar="N", help=DRAFT_VOCAB_HELP)
+    b.add_argument("--experts", type=int, action="append", default=None, metavar="N",
+                   help="expert-subset's routed experts per token per MoE layer, repeatable (default 1; "
+                        "mixture-of-experts models only, which `--method all` then includes)")
     b.add_argument("--no-hf", action="store_true",
                    help="skip the transformers generate() references (AR, early exit, prompt lookup)")
     b.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON to this file")
@@ -148,7 +189,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     "next-token distribution). The base model is frozen; the verify is unchanged, so output "
                     "stays the full model's. Reports α (agreement with the full model's next token, = first "
                     "draft token acceptance) on held-out prompts before and after, saves one .safetensors per k "
-                    "and points the model's profile at the best, which generate, bench and the server then use.")
+                    "and points the model's profile at the best, which generate, bench and the server then use. "
+                    "Also ranks the tokens of the prompts and outputs by frequency, for --draft-vocab.")
     _model_options(cal)
     cal.add_argument("--prompts", default=None,
                      help="JSONL (Spec-Bench style: turns or prompt per row) or text (one prompt per line); default: "
@@ -197,6 +239,59 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-plots", action="store_true", help="do not draw plots")
     t.add_argument("--output", default=None, help="profile file to write (default: the model's profile in the cache)")
     t.add_argument("--json", dest="json_out", default=None, help="also write everything measured as JSON to this file")
+    tr = sub.add_parser(
+        "train", help="fine-tune the model with the LayerSkip recipe (layer dropout + early-exit loss) so early "
+                      "exits draft better; saves a new checkpoint",
+        description="LayerSkip (Elhoushi et al. 2024): fine-tune every weight with layer dropout (rate rising with "
+                    "depth to --p-max at the last layer) and an early-exit loss (the model's own final norm and LM "
+                    "head at the exits chosen by --curriculum, weighted up with depth). Trains on --data, or by "
+                    "default on the model's own greedy answers to the bundled training prompts; holds out a share "
+                    "and reports before and after on it: cross-entropy at the --exit-layers and of the full model "
+                    "(which training changes too), and α (the exit's greedy agreement with the full model on its "
+                    "own outputs). Saves a Hugging Face checkpoint to --out that `generate --model OUT` serves.")
+    _model_options(tr)
+    tr.add_argument("--data", default=None, metavar="FILE",
+                    help="training text: a .txt file, or a .jsonl file whose rows have 'text' (plain text) or "
+                         "'turns'/'prompt' (prompts the model answers itself, greedily); default: the model's answers "
+                         "to the bundled training prompts (calibration_train.jsonl, never the benchmark set)")
+    tr.add_argument("--out", required=True, metavar="DIR",
+                    help="directory for the trained checkpoint (model, tokenizer, selfspec_train.json); must be new "
+                         "or empty")
+    tr.add_argument("--steps", type=int, default=300, help="optimiser steps (default 300)")
+    tr.add_argument("--lr", type=float, default=1e-4,
+                    help="AdamW peak learning rate; linear warm-up over ~10%% of the steps, then cosine decay to 0 "
+                         "(default 1e-4)")
+    tr.add_argument("--batch-size", type=int, default=8, help="windows per step (default 8)")
+    tr.add_argument("--seq-len", type=int, default=256,
+                    help="tokens per window; longer documents are cut into windows (default 256)")
+    tr.add_argument("--p-max", type=float, default=0.1,
+                    help="layer dropout rate of the last layer, in [0, 1); layer l of L gets "
+                         "p_max·(2^(l/(L-1)) - 1), 0 at the first; 0 turns layer dropout off (default 0.1)")
+    tr.add_argument("--curriculum", default="rotational", choices=["rotational", "gradual", "none"],
+                    help="which exits carry a loss at a step (the last layer always does): rotational, every "
+                         "--rotation-th exit, the set moving by one each step; gradual, exits switched on from the "
+                         "last layer down over the first half of training; none, every exit every step. Each "
+                         "active exit costs one LM-head forward and backward (default rotational)")
+    tr.add_argument("--rotation", type=int, default=8,
+                    help="R of the rotational curriculum: about L/R exits active per step (default 8)")
+    tr.add_argument("--e-scale", type=float, default=1.0,
+                    help="weight of the early exits against the last layer in the loss; exit k's weight grows "
+                         "as k(k-1)/2; 0 is plain fine-tuning (default 1)")
+    tr.add_argument("--exit-layers", "-k", action="append", default=None, metavar="K[,K...]",
+                    help="exit layers to report loss and α for, repeatable or comma-separated (default: 1/4, 1/2 "
+                         "and 3/4 of the depth); training covers every exit either way")
+    tr.add_argument("--num-prompts", type=int, default=120,
+                    help="prompts to answer for the training data (the first N of the file; default 120)")
+    tr.add_argument("--max-new-tokens", "-n", type=int, default=128,
+                    help="tokens the model generates per prompt, for the data and for α (default 128)")
+    tr.add_argument("--holdout", type=float, default=0.1,
+                    help="share of the documents held out for the report, in (0, 1) (default 0.1)")
+    tr.add_argument("--eval-every", type=int, default=None,
+                    help="steps between held-out loss checks (default: a fifth of --steps)")
+    tr.add_argument("--seed", type=int, default=0,
+                    help="seed of the split, the batches and the layer dropout draws (default 0)")
+    tr.add_argument("--json", dest="json_out", default=None, metavar="FILE",
+                    help="also write the report as JSON to this file")
     return parser
 
 
@@ -216,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             return _tune(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "train":
+            return _train(args)
+        if args.command == "serve":
+            return _serve(args)
         from selfspec.bench import run_bench
 
         return run_bench(args)
@@ -239,7 +338,7 @@ def _generate(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, threshold=args.threshold,
         skip=args.skip, skip_ratio=args.skip_ratio, every=args.every, ngram=args.ngram, profile=args.profile,
-        exit_adapter=args.exit_adapter,
+        exit_adapter=args.exit_adapter, draft_vocab=args.draft_vocab, experts=args.experts,
     )
     _check_options(options)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
@@ -257,6 +356,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import uvicorn
+
+    import selfspec
+    from selfspec.server import create_app
+
+    options = dict(method=args.method, exit_layer=args.exit_layer, draft_len=args.draft_len, threshold=args.threshold,
+                   skip=args.skip, skip_ratio=args.skip_ratio, every=args.every, ngram=args.ngram,
+                   profile=args.profile, exit_adapter=args.exit_adapter, draft_vocab=args.draft_vocab,
+                   experts=args.experts)
+    _check_options({**options, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 1})
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    method = args.method
+    if method == "auto":
+        method, k, g = model.tuned(args.profile, args.exit_layer, args.draft_len)
+        method += "".join(f" {name}={v}" for name, v in (("k", k), ("γ", g)) if v is not None)
+    app = create_app(model, max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
+                     options=options, served_name=args.name)
+    name = args.name or model.name
+    print(f"selfspec: serving {name!r} on http://{args.host}:{args.port}/v1 (speculation: {method}; batch "
+          f"{args.max_batch}, queue {args.max_queue}{'; API key required' if args.api_key else ''})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _check_options(options: dict) -> None:
     """Cheap argument checks before the (slow) model load."""
     from selfspec.sampling import SamplingParams
@@ -271,6 +397,10 @@ def _check_options(options: dict) -> None:
             raise ValueError(f"--{name} must be >= 1, got {options[name]}")
     if options["skip_ratio"] is not None and not 0 < options["skip_ratio"] < 1:
         raise ValueError(f"--skip-ratio must be in (0, 1), got {options['skip_ratio']}")
+    if options.get("experts") is not None and options["experts"] < 1:
+        raise ValueError(f"--experts must be >= 1, got {options['experts']}")
+    if options.get("draft_vocab") is not None and options["draft_vocab"] < 1:
+        raise ValueError(f"--draft-vocab must be >= 1, got {options['draft_vocab']}")
     if options["draft_len"] is not None and options["draft_len"] < 1:
         raise ValueError(f"--draft-len must be >= 1, got {options['draft_len']}")
     if options["max_new_tokens"] < 1:
@@ -377,6 +507,12 @@ def _calibrate(args) -> int:
     for k, path in sorted(result.paths.items()):
         print(f"adapter k={k}: {path}")
     print(f"profile: {result.profile} (exit-adapter: k={result.best}, used by early exit at that k)")
+    if result.draft_head_path is not None:
+        from selfspec.draft_head import coverage
+
+        shares = ", ".join(f"{n}: {c:.1%}" for n, c in coverage(result.token_counts).items())
+        print(f"draft-head ranking: {result.draft_head_path} (share of the counted tokens the top N cover: {shares}; "
+              f"use with --draft-vocab N)")
     return 0
 
 
@@ -421,6 +557,50 @@ def _tune(args) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"model": model.name, "profile": str(path), **section}, f, indent=2, ensure_ascii=False)
+    return 0
+
+
+def _train(args) -> int:
+    from pathlib import Path
+
+    import selfspec
+    from selfspec.train import Recipe, default_exit_layers, prepare, save, train
+
+    recipe = Recipe(steps=args.steps, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
+                    p_max=args.p_max, e_scale=args.e_scale, curriculum=args.curriculum, rotation=args.rotation,
+                    seed=args.seed)
+    recipe.check()
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_every is not None and args.eval_every < 1:
+        raise ValueError(f"--eval-every must be >= 1, got {args.eval_every}")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty directory; choose a new one")
+    if args.data is not None and not Path(args.data).is_file():
+        raise FileNotFoundError(f"--data {args.data} is not a file")
+    exit_layers = [int(k) for entry in (args.exit_layers or []) for k in entry.split(",") if k.strip()]
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    exit_layers = exit_layers or default_exit_layers(model.n_layers)
+    data = prepare(model, args.data, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                   seq_len=args.seq_len, holdout=args.holdout, seed=args.seed)
+    print(f"{model.name}, {args.dtype} on {model.adapter.device.type}; data: {data.source}; "
+          f"{len(data.train)} training windows, {len(data.held_out)} held-out windows, {len(data.prompts)} "
+          f"held-out prompts for α; {args.steps} steps × {args.batch_size} windows of ≤{args.seq_len} tokens; "
+          f"p_max {args.p_max}, curriculum {args.curriculum}" + (f" (R={args.rotation})" if args.curriculum ==
+                                                                 "rotational" else ""), flush=True)
+    result = train(model, data, recipe, exit_layers, eval_every=args.eval_every, alpha_tokens=args.max_new_tokens)
+    setup = dict(model=model.name, dtype=args.dtype, data=data.source)
+    save(model, out, result, setup)
+    print()
+    print(result.table())
+    print()
+    print(f"trained {result.seconds:.0f} s ({result.train_tokens} target tokens); checkpoint: {out} "
+          f"(serve it with: selfspec generate --model {out})")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({**setup, **result.to_json()}, f, indent=2, ensure_ascii=False)
     return 0
 
 

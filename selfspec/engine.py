@@ -1,5 +1,8 @@
 """The decode loop: prefill, draft, verify, commit or rewind, feed back. One loop for every method.
 
+`Decoding` holds one sequence's state and names each step; `decode` drives one sequence through
+them, and the batch scheduler (selfspec.batch) drives many, verifying their drafts in one forward.
+
 State between rounds: the cache is valid at every layer for positions < cache.length, and one
 committed token, `pending`, sits at position cache.length without having been fed to the model.
 """
@@ -45,59 +48,120 @@ def decode(
     stats: GenerationStats,
 ) -> Iterator[list[int]]:
     """Yield committed tokens, a list per round, until EOS (not yielded) or max_new_tokens."""
-    prompt_ids = prompt_ids.to(adapter.device).view(-1)
-    check_length(adapter, prompt_ids.numel(), max_new_tokens)
-    cache = adapter.new_cache(prompt_ids.numel() + max_new_tokens + drafter.draft_len + 1)
-    stats.kv_cache_bytes = cache.nbytes
-    generator = make_generator(sampling.seed, adapter.device)
-    ctx = DraftContext(adapter, cache, sampling, generator, prompt_ids, prompt_ids.tolist(), stats)
-    drafter.begin(ctx)
-    stats.prompt_tokens = prompt_ids.numel()
-    sync = _syncer(adapter.device)
-    t0 = time.perf_counter()
-
-    # 1. Prefill: the prompt at full depth; the first new token comes from its last position.
-    h = adapter.run_layers(adapter.embed(prompt_ids), range(adapter.n_layers), 0, cache)
-    first = _pick(adapter.head(h[:, -1:]), sampling, generator)
-    cache.rewind(prompt_ids.numel())
-    sync()
-    stats.prefill_s = time.perf_counter() - t0
-    if drafter.draft_len:  # c's denominator, at this context length (attention grows with it)
-        stats.step_s = measure_step_time(adapter, cache, position=cache.length)
-        t0 = time.perf_counter() - stats.prefill_s  # the probe is not part of decoding time
-    pending, committed, produced = first, [int(first)], 0
-    ctx.committed.append(int(first))
+    seq = Decoding(adapter, prompt_ids, drafter, sampling=sampling, max_new_tokens=max_new_tokens,
+                   eos_ids=eos_ids, stats=stats)
     try:
+        tokens = seq.prefill(measure_step=bool(drafter.draft_len))
         while True:
-            # Emit what was just committed (first the prefill's token), cut at EOS or max_new_tokens.
-            out = _commit(committed, eos_ids, max_new_tokens - produced)
-            produced += len(out.tokens)
-            stats.new_tokens = produced
-            if out.tokens:
-                yield out.tokens
-            if out.stop:
+            if tokens:
+                yield tokens
+            if seq.done:
                 return
-            start = cache.length  # position of the pending token
-            # 2. Draft: at most what could still be committed after the pending token's successor.
-            t, searched = time.perf_counter(), stats.search_s
-            draft = drafter.propose(pending, start, max_new_tokens - produced - 1)
-            sync()
-            t_draft = time.perf_counter()
-            # 3. Verify: one full-depth forward over pending + draft, then the pure verifier.
-            target_logits = verify_forward(adapter, cache, pending, draft, start)  # [γ+1, vocab]
-            verdict = _verify(draft, target_logits, sampling, generator)
-            t_verify = time.perf_counter()
-            stats.draft_s += t_draft - t - (stats.search_s - searched)
-            stats.verify_s += t_verify - t_draft
-            # 4. Commit or rewind: pending + accepted tokens are now valid at every layer; feed back.
-            cache.rewind(start + 1 + verdict.n_accepted)
-            pending = torch.tensor([verdict.tokens[-1]], device=adapter.device)
-            committed = verdict.tokens
-            ctx.committed += committed
-            stats.record_round(len(draft), verdict.n_accepted)
-            drafter.observe(verdict.n_accepted)
+            draft = seq.draft()
+            t = time.perf_counter()
+            target_logits = verify_forward(adapter, seq.cache, seq.pending, draft, seq.start)  # [γ+1, vocab]
+            seq.sync()
+            tokens = seq.finish_round(draft, target_logits, verify_s=time.perf_counter() - t)
     finally:
-        stats.wall_s = time.perf_counter() - t0
+        seq.stop_clock()
+
+
+class Decoding:
+    """One sequence being decoded: its cache, drafter, sampling state and statistics, and the
+    steps of the loop. The caller runs the verify forward between `draft` and `finish_round`,
+    alone (`verify_forward`) or batched with other sequences (`verify_rows`)."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        prompt_ids: torch.Tensor,
+        drafter: Drafter,
+        *,
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        eos_ids: frozenset[int] = frozenset(),
+        stats: GenerationStats,
+        max_draft: int | None = None,
+        headroom: int = 0,
+    ):
+        """max_draft: cap on draft tokens per round (default the drafter's γ); headroom: cache
+        positions to keep past the last committed one for a batched verify, which pads every row
+        to the longest draft in the batch."""
+        self.adapter, self.drafter, self.sampling, self.stats = adapter, drafter, sampling, stats
+        self.prompt_ids = prompt_ids.to(adapter.device).view(-1)
+        check_length(adapter, self.prompt_ids.numel(), max_new_tokens)
+        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
+        self.max_draft = drafter.draft_len if max_draft is None else max_draft
+        self.cache = adapter.new_cache(self.prompt_ids.numel() + max_new_tokens + max(self.max_draft, headroom) + 1)
+        stats.kv_cache_bytes = self.cache.nbytes
+        stats.prompt_tokens = self.prompt_ids.numel()
+        self.generator = make_generator(sampling.seed, adapter.device)
+        self.ctx = DraftContext(adapter, self.cache, sampling, self.generator, self.prompt_ids,
+                                self.prompt_ids.tolist(), stats)
+        self.sync = _syncer(adapter.device)
+        self.produced = 0
+        self.done = False
+        self.pending: torch.Tensor | None = None
+        self._t0 = time.perf_counter()
+        self._clock_stopped = False
+
+    @property
+    def start(self) -> int:
+        """Position of the pending token."""
+        return self.cache.length
+
+    def prefill(self, measure_step: bool = True) -> list[int]:
+        """1. The prompt at full depth; the first new token comes from its last position.
+        Returns the tokens to emit (the first token, or none if it is EOS)."""
+        self.drafter.begin(self.ctx)
+        self._t0 = time.perf_counter()
+        adapter, n = self.adapter, self.prompt_ids.numel()
+        h = adapter.run_layers(adapter.embed(self.prompt_ids), range(adapter.n_layers), 0, self.cache)
+        first = _pick(adapter.head(h[:, -1:]), self.sampling, self.generator)
+        self.cache.rewind(n)
+        self.sync()
+        self.stats.prefill_s = time.perf_counter() - self._t0
+        if measure_step:  # c's denominator, at this context length (attention grows with it)
+            self.stats.step_s = measure_step_time(adapter, self.cache, position=n)
+            self._t0 = time.perf_counter() - self.stats.prefill_s  # the probe is not decoding time
+        return self._commit([int(first)])
+
+    def draft(self) -> Draft:
+        """2. Draft: at most what could still be committed after the pending token's successor."""
+        t, searched = time.perf_counter(), self.stats.search_s
+        room = min(self.max_new_tokens - self.produced - 1, self.max_draft)
+        draft = self.drafter.propose(self.pending, self.start, room)
+        self.sync()
+        self.stats.draft_s += time.perf_counter() - t - (self.stats.search_s - searched)
+        return draft
+
+    def finish_round(self, draft: Draft, target_logits: torch.Tensor, verify_s: float = 0.0) -> list[int]:
+        """3. The pure verifier on the verify forward's logits [γ+1, vocab]; 4. commit or rewind:
+        pending + accepted tokens are now valid at every layer; feed back. Returns the tokens to
+        emit."""
+        t = time.perf_counter()
+        verdict = _verify(draft, target_logits, self.sampling, self.generator)
+        self.stats.verify_s += verify_s + time.perf_counter() - t
+        self.cache.rewind(self.start + 1 + verdict.n_accepted)
+        self.stats.record_round(len(draft), verdict.n_accepted)
+        self.drafter.observe(verdict.n_accepted)
+        return self._commit(verdict.tokens)
+
+    def stop_clock(self) -> None:
+        if not self._clock_stopped:
+            self._clock_stopped = True
+            self.stats.wall_s = time.perf_counter() - self._t0
+
+    def _commit(self, tokens: list[int]) -> list[int]:
+        """Make `tokens` the committed tokens of this round: the last is the next pending token.
+        Returns what to emit, cut at EOS or max_new_tokens (then the sequence is done)."""
+        self.pending = torch.tensor([tokens[-1]], device=self.adapter.device)
+        self.ctx.committed += tokens
+        out = _cut(tokens, self.eos_ids, self.max_new_tokens - self.produced)
+        self.produced += len(out.tokens)
+        self.stats.new_tokens = self.produced
+        self.done = out.stop
+        return out.tokens
 
 
 def verify_forward(
@@ -111,11 +175,30 @@ def verify_forward(
         h = adapter.run_layers(h, range(adapter.n_layers), start, cache, rowwise=True)
         return adapter.head(h)
     k = draft.exit_layer
-    # Layers < k ran in the draft for every position but the last draft token's: run only that one.
-    last = adapter.run_layers(adapter.embed(draft.tokens[-1:]), range(k), start + gamma, cache)
-    h = torch.cat([draft.exit_hidden, last], dim=1)  # [1, γ+1, hidden] at layer k
+    if draft.exit_hidden.shape[1] == gamma + 1:  # the drafter also ran the last draft token's layers < k
+        h = draft.exit_hidden
+    else:
+        # Layers < k ran in the draft for every position but the last draft token's: run only that one.
+        last = adapter.run_layers(adapter.embed(draft.tokens[-1:]), range(k), start + gamma, cache)
+        h = torch.cat([draft.exit_hidden, last], dim=1)  # [1, γ+1, hidden] at layer k
     h = adapter.run_layers(h, range(k, adapter.n_layers), start, cache, rowwise=True)
     return adapter.head(h)
+
+
+def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]) -> list[torch.Tensor]:
+    """The verify of several sequences in one full-depth forward: row b is seqs[b]'s pending token
+    and draft, padded to the longest draft (padding positions are written past the row's own
+    positions and never committed). Returns each row's logits [γ_b+1, vocab], each computed as
+    that sequence's own verify would. The draft's KV of layers < k is recomputed, not reused."""
+    n = max(len(d) for d in drafts) + 1
+    rows = []
+    for seq, draft in zip(seqs, drafts):
+        ids = torch.cat([seq.pending, draft.tokens])
+        rows.append(torch.cat([ids, ids[-1:].expand(n - ids.numel())]))  # pad with the last token
+    h = adapter.embed(torch.cat(rows)).view(len(rows), n, -1)  # [B, n, hidden]
+    h = adapter.run_rows(h, range(adapter.n_layers), [s.start for s in seqs], [s.cache for s in seqs])
+    logits = adapter.head_rows(h)  # [B, n, vocab]
+    return [logits[b, : len(d) + 1] for b, d in enumerate(drafts)]
 
 
 def measure_step_time(adapter: ModelAdapter, cache: KVCache, position: int, repeats: int = 3) -> float:
@@ -132,17 +215,17 @@ def measure_step_time(adapter: ModelAdapter, cache: KVCache, position: int, repe
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-class _Commit(NamedTuple):
+class _Cut(NamedTuple):
     tokens: list[int]  # what to emit
     stop: bool  # EOS seen or max_new_tokens reached
 
 
-def _commit(tokens: list[int], eos_ids: frozenset[int], room: int) -> _Commit:
+def _cut(tokens: list[int], eos_ids: frozenset[int], room: int) -> _Cut:
     """Cut a round's tokens at the first EOS (dropped) or when max_new_tokens is reached."""
     for i, token in enumerate(tokens[:room]):
         if token in eos_ids:
-            return _Commit(tokens[:i], True)
-    return _Commit(tokens[:room], len(tokens) >= room)
+            return _Cut(tokens[:i], True)
+    return _Cut(tokens[:room], len(tokens) >= room)
 
 
 def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:

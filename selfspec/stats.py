@@ -36,6 +36,10 @@ class GenerationStats:
     search_s: float = 0.0  # time adaptive drafters spent choosing layers (not in draft_s)
     searches: int = 0  # how many times they did
     kv_cache_bytes: int = 0  # the one KV cache this generation allocated (draft and verify share it)
+    # Saguaro's speculation cache: rounds whose draft was ready when the verify before them ended
+    # as predicted (hits), and rounds predicted otherwise, drafted as usual (misses).
+    speculation_hits: int = 0
+    speculation_misses: int = 0
 
     def record_round(self, n_drafted: int, n_accepted: int) -> None:
         self.rounds += 1
@@ -58,7 +62,8 @@ class GenerationStats:
             weight = self.drafted * (self.step_s or 0.0) + other.drafted * (other.step_s or 0.0)
             self.step_s = weight / (self.drafted + other.drafted)
         for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted",
-                     "prefill_s", "draft_s", "verify_s", "wall_s", "search_s", "searches"):
+                     "prefill_s", "draft_s", "verify_s", "wall_s", "search_s", "searches",
+                     "speculation_hits", "speculation_misses"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
             mine += [0] * (len(theirs) - len(mine))
@@ -116,4 +121,7 @@ class GenerationStats:
         ]
         if self.searches:
             parts.insert(-1, f"layer search {self.searches}× {self.search_s:.2f} s")
+        if self.speculation_hits or self.speculation_misses:
+            tried = self.speculation_hits + self.speculation_misses
+            parts.insert(-1, f"speculation hits {self.speculation_hits}/{tried}")
         return " | ".join(parts)

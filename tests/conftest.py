@@ -8,6 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import tiny_model  # noqa: E402
+from tiny_moe import MOE_ARCHS, tiny_moe_model  # noqa: E402
 
 import selfspec  # noqa: E402
 
@@ -40,7 +41,8 @@ def gemma3():
 @pytest.fixture
 def tiny():
     def make(arch: str = "llama", seed: int = 0):
-        return selfspec.SelfSpecModel(tiny_model(arch, seed), name=f"tiny-{arch}")
+        build = tiny_moe_model if arch in MOE_ARCHS else tiny_model  # dense (tiny_models) or MoE (tiny_moe)
+        return selfspec.SelfSpecModel(build(arch, seed), name=f"tiny-{arch}")
 
     return make
 

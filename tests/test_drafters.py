@@ -17,7 +17,11 @@ OPTIONS = {
     "conflayers": dict(every=2, draft_len=4),
     "lookup": dict(draft_len=4),
     "hybrid": dict(exit_layer=3, draft_len=4),
+    "expert-subset": dict(draft_len=4),
+    "saguaro": dict(exit_layer=3, draft_len=3),
 }
+# Methods that need a particular kind of model (expert-subset: mixture of experts); the rest use llama.
+ARCH = {"expert-subset": "mixtral"}
 
 
 def test_every_method_has_options_here():
@@ -26,7 +30,7 @@ def test_every_method_has_options_here():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_one_cache_per_generation_never_cloned(method, tiny, monkeypatch):
-    model = tiny("llama")
+    model = tiny(ARCH.get(method, "llama"))
     caches = []
     clones = []
     init = selfspec.cache.KVCache.__init__

@@ -2,9 +2,9 @@
 
 DRAFTERS maps a method name (as the CLI and the API take it) to a factory. Every factory receives
 the same keyword options (exit_layer, draft_len, threshold, skip, skip_ratio, every, ngram,
-exit_adapter, profile (the model's profile, a dict), identity (the model's ModelIdentity), ...),
-with None meaning "the drafter's own default", and picks the ones it uses; adding a drafter never
-touches the engine or the CLI.
+exit_adapter, draft_vocab, profile (the model's profile, a dict), identity (the model's
+ModelIdentity), ...), with None meaning "the drafter's own default", and picks the ones it uses;
+adding a drafter never touches the engine or the CLI.
 """
 
 from collections.abc import Callable
@@ -21,14 +21,22 @@ def _given(options: dict, *names: str) -> dict:
 
 def _early_exit(**o) -> Drafter:
     """exit_adapter: None uses the profile's adapter when its k is the one asked (or none is
-    asked: then k is the adapter's), a path uses that file, False or "none" uses no adapter."""
+    asked: then k is the adapter's), a path uses that file, False or "none" uses no adapter.
+    draft_vocab: N, draft with a head pruned to the N most frequent tokens of the profile's
+    ranking from `selfspec calibrate`; None, the full head."""
+    from selfspec.draft_head import ranking_for
     from selfspec.exit_adapter import exit_adapter_for
 
     k = o.get("exit_layer")
     adapter = exit_adapter_for(o.get("exit_adapter"), o.get("profile") or {}, o.get("identity"), k)
     if k is None and adapter is not None:
         k = adapter.exit_layer
-    return EarlyExit(k, 4 if o.get("draft_len") is None else o["draft_len"], exit_adapter=adapter)
+    vocab = o.get("draft_vocab")
+    if vocab is not None and vocab < 1:
+        raise ValueError(f"draft_vocab must be >= 1, got {vocab}")
+    ranking = None if vocab is None else ranking_for(o.get("profile") or {}, o.get("identity"))
+    return EarlyExit(k, 4 if o.get("draft_len") is None else o["draft_len"], exit_adapter=adapter,
+                     draft_vocab=vocab, ranking=ranking)
 
 
 def _layer_skip(**o) -> Drafter:
@@ -70,6 +78,22 @@ def _hybrid(**o) -> Drafter:
     return Hybrid(lookup, fallback)
 
 
+def _expert_subset(**o) -> Drafter:
+    """exit_layer: only a k the caller asked (`asked_exit_layer`, before the API fills in early
+    exit's default); without one the draft runs every layer, each MoE layer on `experts` experts."""
+    from selfspec.drafters.expert_subset import ExpertSubset
+
+    k = o["asked_exit_layer"] if "asked_exit_layer" in o else o.get("exit_layer")
+    return ExpertSubset(exit_layer=k, **_given(o, "experts", "draft_len"))
+
+
+def _saguaro(**o) -> Drafter:
+    """Early exit (the same options) that pre-drafts the next round during each verify."""
+    from selfspec.drafters.saguaro import Saguaro
+
+    return Saguaro(_early_exit(**o))
+
+
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "ar": lambda **options: Autoregressive(),
     "early-exit": _early_exit,
@@ -79,6 +103,8 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "conflayers": _conflayers,
     "lookup": _lookup,
     "hybrid": _hybrid,
+    "expert-subset": _expert_subset,
+    "saguaro": _saguaro,
 }
 METHODS = tuple(DRAFTERS)
 

@@ -39,6 +39,7 @@ class Draft:
     draft_probs: torch.Tensor | None = None  # q [γ, vocab]; None when greedy
     # KV reuse (LayerSkip): layers < exit_layer already ran, and wrote their KV, for the pending
     # token and the first γ-1 draft tokens; exit_hidden [1, γ, hidden] are their layer-k states.
+    # [1, γ+1, hidden]: they ran for the last draft token too (Saguaro), and the verify skips them.
     exit_layer: int | None = None
     exit_hidden: torch.Tensor | None = None
 

@@ -6,13 +6,15 @@ hidden states and only runs layers >= k over the draft (plus layers < k for the 
 token, which the draft never fed). It is the shallow draft with the skip set "layers k .. L-1".
 
 With an exit adapter (see selfspec.exit_adapter) the draft's logits are head(adapter(h_k)); the
-verify still continues from the raw h_k.
+verify still continues from the raw h_k. With draft_vocab N the draft's head covers only the N
+most frequent tokens of a ranking (see selfspec.draft_head); the verify's head stays the full one.
 """
 
 from __future__ import annotations
 
 import torch
 
+from selfspec.draft_head import PrunedHead
 from selfspec.drafters.base import Draft, DraftContext
 from selfspec.drafters.shallow import draft_shallow
 from selfspec.exit_adapter import ExitAdapter
@@ -22,16 +24,24 @@ from selfspec.skips import SkipSet
 class EarlyExit:
     name = "early-exit"
 
-    def __init__(self, exit_layer: int, draft_len: int, exit_adapter: ExitAdapter | None = None):
+    def __init__(self, exit_layer: int, draft_len: int, exit_adapter: ExitAdapter | None = None,
+                 draft_vocab: int | None = None, ranking: torch.Tensor | None = None):
+        """draft_vocab: N, the size of the pruned draft head (None: the model's full head); ranking:
+        every token id, most frequent first (selfspec.draft_head), whose first N it keeps."""
         if exit_layer is None or exit_layer < 1:
             raise ValueError(f"exit layer k must be >= 1, got {exit_layer}")
         if draft_len < 1:
             raise ValueError(f"draft length must be >= 1, got {draft_len}")
         if exit_adapter is not None and exit_adapter.exit_layer != exit_layer:
             raise ValueError(f"the exit adapter was trained for k={exit_adapter.exit_layer}, not k={exit_layer}")
+        if draft_vocab is not None and (draft_vocab < 1 or ranking is None):
+            raise ValueError(f"draft_vocab must be >= 1 and come with a token ranking, got {draft_vocab}")
         self.exit_layer = exit_layer
         self.draft_len = draft_len
         self.exit_adapter = exit_adapter
+        self.draft_vocab = draft_vocab
+        self.ranking = ranking
+        self.head: PrunedHead | None = None  # built at the first begin, for that model's weights
 
     def begin(self, ctx: DraftContext) -> None:
         n = ctx.adapter.n_layers
@@ -43,12 +53,18 @@ class EarlyExit:
                 raise ValueError(f"the exit adapter maps hidden size {self.exit_adapter.hidden_size}, "
                                  f"this model's is {hidden}")
             self.exit_adapter.to(device=ctx.adapter.device, dtype=ctx.adapter.dtype)
+        if self.draft_vocab is not None and self.draft_vocab < ctx.adapter.lm_head.out_features:
+            if self.ranking.numel() != ctx.adapter.lm_head.out_features:
+                raise ValueError(f"the token ranking covers {self.ranking.numel()} tokens, this model's head "
+                                 f"{ctx.adapter.lm_head.out_features}")
+            if self.head is None or not self.head.built_for(ctx.adapter):
+                self.head = PrunedHead(ctx.adapter, self.ranking[: self.draft_vocab])
         self.ctx = ctx
         self.skip = SkipSet.early_exit(self.exit_layer, n)
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
         return draft_shallow(self.ctx, self.skip, pending, start, min(self.draft_len, max_len),
-                             transform=self.exit_adapter)
+                             transform=self.exit_adapter, head=self.head)
 
     def observe(self, n_accepted: int) -> None:
         pass

@@ -1,10 +1,11 @@
 """The shallow draft every model-based drafter runs: the model's own layers minus a skip set.
 
-One loop for early exit, static layer skip, SWIFT, CLaSp and ConfLayers; they differ only in the
-skip set they choose and when they stop. Per draft token: layers before the skip set's boundary
-run in full and write KV the verify reuses (their outputs at the boundary are the `exit_hidden`
-the verify continues from); the remaining layers run minus the skipped sublayers and write
-draft-time KV that the verify overwrites in place; then the model's own norm and head.
+One loop for early exit, static layer skip, SWIFT, CLaSp, ConfLayers and expert-subset; they differ
+only in the skip set they choose (expert-subset: also fewer routed experts) and when they stop.
+Per draft token: layers before the skip set's boundary run in full and write KV the verify reuses
+(their outputs at the boundary are the `exit_hidden` the verify continues from); the remaining
+layers run minus the skipped sublayers and write draft-time KV that the verify overwrites in
+place; then the model's own norm and head.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Callable
 
 import torch
 
+from selfspec.draft_head import PrunedHead
 from selfspec.drafters.base import Draft, DraftContext
+from selfspec.moe import moe_layers
 from selfspec.sampling import logits_to_probs, sample
 from selfspec.skips import SkipSet
 
@@ -26,15 +29,23 @@ def draft_shallow(
     gamma: int,
     threshold: float = 0.0,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head: PrunedHead | None = None,
+    experts: int | None = None,
 ) -> Draft:
     """Draft up to γ tokens after `pending` (at position `start`). With threshold > 0, stop after
     the first token whose draft top-1 probability is below it (confidence-aware drafting).
     transform: applied to the last layer's hidden state before the head (an exit adapter); the
-    `exit_hidden` the verify continues from stay the raw states."""
+    `exit_hidden` the verify continues from stay the raw states. head: a pruned draft head to use
+    instead of the model's own (see selfspec.draft_head); the draft then never proposes a token
+    outside its subset, and q is zero there. experts: route every MoE layer the draft runs to this
+    many experts (expert-subset); the draft then differs from the full model from the first MoE
+    layer on, so the boundary moves there and the verify recomputes those layers' KV."""
     adapter = ctx.adapter
     if gamma <= 0:
         return Draft(tokens=pending.new_empty(0))
     boundary = skip.boundary(adapter.n_layers)
+    if experts is not None:
+        boundary = min([boundary, *moe_layers(adapter.layers)])
     before = range(boundary)
     # Layers skipped whole are left out of the list, not visited per token (early exit: none left).
     after = [i for i in range(boundary, adapter.n_layers) if i not in skip.skipped_layers()]
@@ -43,14 +54,12 @@ def draft_shallow(
     for i in range(gamma):
         h = adapter.run_layers(adapter.embed(token), before, start + i, ctx.cache)  # [1, 1, hidden]
         hidden.append(h)
-        h = adapter.run_layers(h, after, start + i, ctx.cache, skip=skip)
-        logits = adapter.head(h if transform is None else transform(h))  # [1, vocab]
-        if ctx.sampling.greedy:
-            token = logits.argmax(-1)
+        h = adapter.run_layers(h, after, start + i, ctx.cache, skip=skip, experts=experts)
+        token, q, logits = draft_token(ctx, h, ctx.generator, transform, head)
+        if q is None:
+            # Over a subset too: its softmax is that of the full-vocabulary logits, -inf elsewhere.
             confident = threshold <= 0 or top1_probability(logits) >= threshold
         else:
-            q = logits_to_probs(logits, ctx.sampling)
-            token = sample(q, ctx.generator).view(1)
             probs.append(q)
             confident = threshold <= 0 or float(q.max()) >= threshold
         tokens.append(token)
@@ -62,6 +71,24 @@ def draft_shallow(
         exit_layer=boundary,
         exit_hidden=torch.cat(hidden, dim=1),
     )
+
+
+def draft_token(
+    ctx: DraftContext,
+    h: torch.Tensor,
+    generator: torch.Generator | None,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head: PrunedHead | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The draft's next token from its last hidden state h [1, 1, hidden] (see draft_shallow for
+    transform and head): the argmax when greedy, else a sample from q drawn with `generator`.
+    Returns (token [1], q [1, vocab] or None when greedy, the head's logits)."""
+    h = h if transform is None else transform(h)
+    logits = ctx.adapter.head(h) if head is None else head.subset_logits(h)  # [1, vocab] or [1, N]
+    if ctx.sampling.greedy:
+        return (logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]), None, logits
+    q = logits_to_probs(logits if head is None else head.to_vocab(logits), ctx.sampling)
+    return sample(q, generator).view(1), q, logits
 
 
 def top1_probability(logits: torch.Tensor) -> float:

@@ -51,9 +51,10 @@ class Costs:
 
 @torch.inference_mode()
 def measure_costs(adapter, *, context: int, exit_layers, max_draft_len: int, draft_layers=None,
-                  repeats: int = 3, progress: bool = True) -> Costs:
+                  repeats: int = 3, progress: bool = True, head=None) -> Costs:
     """Time c(k) for every k in `draft_layers` (default: every layer), v(k, n) for k in
-    `exit_layers` and 0, n = 1 .. max_draft_len + 1 (n >= 2 for k > 0), and the lookup search."""
+    `exit_layers` and 0, n = 1 .. max_draft_len + 1 (n >= 2 for k > 0), and the lookup search.
+    head: what the draft applies to h_k (default the model's own head), e.g. a pruned draft head."""
     n_layers = adapter.n_layers
     draft_layers = sorted(set(draft_layers or range(1, n_layers + 1)))
     exit_layers = sorted(set(exit_layers))
@@ -68,8 +69,10 @@ def measure_costs(adapter, *, context: int, exit_layers, max_draft_len: int, dra
     hidden = adapter.embed(torch.zeros(max_draft_len, dtype=torch.long, device=device))
     history = np.random.default_rng(0).integers(0, 1000, size=context)
 
+    head = adapter.head if head is None else head
+
     def draft_step(k):
-        return lambda: adapter.head(adapter.run_layers(adapter.embed(pending), range(k), context, cache))
+        return lambda: head(adapter.run_layers(adapter.embed(pending), range(k), context, cache))
 
     def verify(k, n):
         tokens = torch.zeros(n - 1, dtype=torch.long, device=device)

@@ -1,0 +1,231 @@
+"""Continuous batching: many sequences decoded together, one verify forward for all their drafts.
+
+Each step the scheduler (1) admits waiting requests up to `max_batch` rows and prefills them,
+(2) lets every active row draft with its own drafter on its own cache, (3) verifies every row's
+pending token + draft in one forward (`engine.verify_rows`; a lone row takes the single-sequence
+verify with its KV reuse), (4) runs the pure verifier per row and commits. Rows accept different
+numbers of tokens (ragged acceptance): each row's cache keeps its own length, and a row's padding
+positions lie past that length, so they are never committed. Finished, stopped or cancelled rows
+leave between steps and waiting requests take their place.
+
+The scheduler is not thread-safe except for `submit` and `Request.cancel`: one thread calls
+`step` (or `run`), others submit.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.adapter import ModelAdapter
+from selfspec.drafters.base import Drafter
+from selfspec.engine import Decoding, verify_forward, verify_rows
+from selfspec.sampling import SamplingParams
+from selfspec.stats import GenerationStats
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the scheduler accepts; retry later."""
+
+
+@dataclass
+class Request:
+    prompt_ids: torch.Tensor  # [prompt_len]
+    drafter: Drafter  # this request's own instance: drafters keep per-sequence state
+    sampling: SamplingParams
+    max_new_tokens: int
+    stats: GenerationStats
+    # Called from the scheduler's thread with each round's committed tokens; returning False ends
+    # the generation there (a stop string was found).
+    on_tokens: Callable[[list[int]], bool]
+    # Called once, from the scheduler's thread, when the generation ends: None, or the error.
+    on_done: Callable[[BaseException | None], None]
+    eos_ids: frozenset[int] = frozenset()
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_s: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Free this request's row at the next step boundary (a client went away)."""
+        self.cancelled.set()
+
+
+@dataclass
+class Totals:
+    """Counters over every request the scheduler finished, for /metrics."""
+
+    requests: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # scheduler steps (each one verify forward over all active rows)
+    rows: int = 0  # sum over steps of the rows verified together
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, adapter: ModelAdapter, *, max_batch: int = 8, max_queue: int = 32, max_draft: int = 16):
+        """max_batch: rows decoded together; max_queue: requests waiting for a row beyond that
+        (`submit` raises QueueFull past it); max_draft: cap on any row's draft tokens per round."""
+        if max_batch < 1 or max_queue < 0 or max_draft < 0:
+            raise ValueError("max_batch must be >= 1, max_queue and max_draft >= 0")
+        self.adapter, self.max_batch, self.max_queue, self.max_draft = adapter, max_batch, max_queue, max_draft
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: list[tuple[Request, Decoding]] = []
+        self.totals = Totals()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; it joins the batch at a step boundary when a row is free."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active)):
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(request)
+            self._wake.notify()
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One scheduler step; False when there was nothing to do."""
+        self._drop_cancelled()
+        self._admit()
+        if not self.active:
+            return False
+        rows = [(r, d) for r, d in self.active if not d.done]
+        drafts = []
+        for request, seq in rows:
+            drafts.append(self._guard(request, seq, seq.draft))
+        rows = [(r, s, d) for (r, s), d in zip(rows, drafts) if d is not None]
+        # Drafters that keep working on the cache while the verify runs (saguaro) need a verify
+        # that touches only their own row's slots as a lone verify would: theirs run alone.
+        alone = [row for row in rows if getattr(row[1].drafter, "verify_alone", False)]
+        shared = [row for row in rows if not getattr(row[1].drafter, "verify_alone", False)]
+        for group in [[row] for row in alone] + ([shared] if shared else []):
+            self._verify(group)
+        self._retire()
+        return True
+
+    def _verify(self, rows: list[tuple[Request, Decoding, object]]) -> None:
+        """One verify forward over these rows (the single-sequence verify, with its KV reuse, for
+        a lone row), then each row's pure verifier and commit."""
+        t = time.perf_counter()
+        if len(rows) == 1:
+            _, seq, draft = rows[0]
+            logits = [verify_forward(self.adapter, seq.cache, seq.pending, draft, seq.start)]
+        else:
+            logits = verify_rows(self.adapter, [s for _, s, _ in rows], [d for _, _, d in rows])
+        rows[0][1].sync()
+        verify_s = time.perf_counter() - t
+        self.totals.verify_s += verify_s  # once per forward, however many rows shared it
+        self.totals.steps += 1
+        self.totals.rows += len(rows)
+        for (request, seq, draft), target in zip(rows, logits):
+            tokens = self._guard(request, seq, seq.finish_round, draft, target, verify_s)
+            if tokens is not None:
+                self._emit(request, seq, tokens)
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until `stop` is set, sleeping while there is nothing to do (a server's thread)."""
+        while not stop.is_set():
+            if not self.step():
+                with self._lock:
+                    if not self.waiting and not stop.is_set():
+                        self._wake.wait(timeout=0.05)
+
+    def close(self) -> None:
+        """Refuse new requests and end every waiting and active one with an error."""
+        with self._lock:
+            self._closed = True
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for request in waiting:
+            request.on_done(RuntimeError("the server is shutting down"))
+        for request, seq in self.active:
+            seq.done = True
+            request.on_done(RuntimeError("the server is shutting down"))
+        self.active = []
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while len(self.active) < self.max_batch:
+            with self._lock:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            if request.cancelled.is_set():
+                self._finish(request, None, cancelled=True)
+                continue
+            seq = self._guard(request, None, self._prefill, request)
+            if seq is not None:
+                self.active.append((request, seq))
+
+    def _prefill(self, request: Request) -> Decoding:
+        seq = Decoding(self.adapter, request.prompt_ids, request.drafter, sampling=request.sampling,
+                       max_new_tokens=request.max_new_tokens, eos_ids=request.eos_ids, stats=request.stats,
+                       max_draft=min(request.drafter.draft_len, self.max_draft), headroom=self.max_draft)
+        self._emit(request, seq, seq.prefill(measure_step=False))
+        return seq
+
+    def _emit(self, request: Request, seq: Decoding, tokens: list[int]) -> None:
+        if tokens and request.on_tokens(tokens) is False:
+            seq.done = True
+
+    def _guard(self, request: Request, seq: Decoding | None, fn, *args):
+        """Run one row's step; an error ends that request alone, never the batch."""
+        try:
+            return fn(*args)
+        except Exception as error:  # noqa: BLE001 - reported to the request's owner
+            if seq is not None:
+                seq.done = True
+                seq.stop_clock()
+            self._finish(request, error)
+            self.active = [(r, s) for r, s in self.active if r is not request]
+            return None
+
+    def _drop_cancelled(self) -> None:
+        for request, seq in self.active:
+            if request.cancelled.is_set():
+                seq.done = True
+        self._retire()  # before admission, so a waiting request takes the freed row this step
+        with self._lock:
+            gone = [r for r in self.waiting if r.cancelled.is_set()]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            self._finish(r, None, cancelled=True)
+
+    def _retire(self) -> None:
+        keep = []
+        for request, seq in self.active:
+            if seq.done:
+                seq.stop_clock()
+                self._finish(request, None, cancelled=request.cancelled.is_set())
+            else:
+                keep.append((request, seq))
+        self.active = keep
+
+    def _finish(self, request: Request, error: BaseException | None, cancelled: bool = False) -> None:
+        t, s = self.totals, request.stats
+        t.requests += 1
+        t.failed += error is not None
+        t.cancelled += cancelled
+        for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "draft_s", "prefill_s"):
+            setattr(t, name, getattr(t, name) + getattr(s, name))
+        request.on_done(error)

@@ -1,0 +1,161 @@
+"""Continuous batching: rows of different prompts decoded together, each exactly as alone."""
+
+import threading
+
+import pytest
+
+from lossless import PROMPT, REPETITIVE
+from selfspec.batch import QueueFull, Request, Scheduler
+
+PROMPTS = [PROMPT, REPETITIVE, [7, 3, 9], PROMPT[:4] + REPETITIVE[:6], [11] * 12]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("options", [
+    dict(method="ar"),
+    dict(method="early-exit", exit_layer=3, draft_len=3),
+    dict(method="lookup", draft_len=4),
+    dict(method="saguaro", exit_layer=6, draft_len=2),  # pre-drafts while verifying: its rows verify alone
+])
+def test_batched_greedy_equals_each_prompt_alone(tiny, arch, options):
+    model = tiny(arch)
+    alone = [model.generate(p, method="ar", max_new_tokens=24).tokens for p in PROMPTS]
+    batched = model.generate_batch(PROMPTS, max_batch=3, max_new_tokens=24, **options)
+    assert [g.tokens for g in batched] == alone
+    if options["method"] != "ar":
+        assert sum(g.stats.accepted for g in batched) > 0  # the accept path ran in the batch
+
+
+def test_batched_sampling_equals_each_seeded_prompt_alone(tiny):
+    """Each row samples with its own generator in the order it would alone, so a batch's seeded
+    samples are the single-request samples (whose distribution the verifier tests check)."""
+    model = tiny("llama")
+    options = dict(method="early-exit", exit_layer=2, draft_len=3, temperature=1.3, top_k=8, max_new_tokens=16)
+    alone = [model.generate(p, seed=i, **options).tokens for i, p in enumerate(PROMPTS)]
+    runs = [model.prepare(p, fresh_drafter=True, seed=i, **options) for i, p in enumerate(PROMPTS)]
+    got = _run_all(model, runs, max_batch=5)
+    assert got == alone
+
+
+def test_rows_with_different_methods_and_lengths_share_a_batch(tiny):
+    """Short rows are padded to the longest draft in the batch, up to their very last token."""
+    model = tiny("llama")
+    runs = [model.prepare(REPETITIVE, fresh_drafter=True, method="lookup", draft_len=8, max_new_tokens=30),
+            model.prepare(PROMPT, fresh_drafter=True, method="ar", max_new_tokens=3),
+            model.prepare(PROMPT, fresh_drafter=True, method="early-exit", exit_layer=4, draft_len=2, max_new_tokens=9)]
+    got = _run_all(model, runs, max_batch=3)
+    assert got == [model.generate(REPETITIVE, method="ar", max_new_tokens=30).tokens,
+                   *[model.generate(PROMPT, method="ar", max_new_tokens=n).tokens for n in (3, 9)]]
+
+
+def test_rows_join_and_leave_between_steps(tiny):
+    model = tiny("llama")
+    lengths = [3, 20, 5, 12, 8]  # rows finish at different steps; waiting ones take their places
+    runs = [model.prepare(PROMPT, fresh_drafter=True, method="early-exit", exit_layer=2, draft_len=2,
+                          max_new_tokens=n) for n in lengths]
+    scheduler = Scheduler(model.adapter, max_batch=2, max_queue=8)
+    outs = _submit(scheduler, runs)
+    sizes = []
+    while scheduler.step():
+        sizes.append(len(scheduler.active))
+    assert max(sizes) == 2 and scheduler.totals.requests == 5
+    alone = model.generate(PROMPT, method="ar", max_new_tokens=20).tokens
+    assert [o["tokens"] for o in outs] == [alone[:n] for n in lengths]
+    assert scheduler.totals.rows > scheduler.totals.steps  # some verifies really were batched
+
+
+def test_cancel_frees_the_row_for_a_waiting_request(tiny):
+    model = tiny("llama")
+    runs = [model.prepare(PROMPT, fresh_drafter=True, method="ar", max_new_tokens=40) for _ in range(2)]
+    scheduler = Scheduler(model.adapter, max_batch=1, max_queue=1)
+    outs = _submit(scheduler, runs)
+    scheduler.step()
+    scheduler.step()
+    assert len(scheduler.active) == 1 and scheduler.queue_depth == 1
+    outs[0]["request"].cancel()
+    scheduler.step()  # the cancelled row leaves at once; the waiting one is admitted and prefilled
+    assert outs[0]["done"] and outs[0]["error"] is None
+    assert scheduler.totals.cancelled == 1 and len(outs[0]["tokens"]) < 40
+    assert len(scheduler.active) == 1 and outs[1]["tokens"]
+    while scheduler.step():
+        pass
+    assert len(outs[1]["tokens"]) == 40
+
+
+def test_queue_limit_refuses_past_it(tiny):
+    model = tiny("llama")
+    scheduler = Scheduler(model.adapter, max_batch=1, max_queue=2)
+    runs = [model.prepare(PROMPT, fresh_drafter=True, method="ar", max_new_tokens=4) for _ in range(4)]
+    _submit(scheduler, runs[:3])  # one for the free row, two waiting
+    with pytest.raises(QueueFull):
+        _submit(scheduler, runs[3:])
+
+
+def test_one_failing_row_does_not_stop_the_others(tiny):
+    model = tiny("llama")
+    good = model.prepare(PROMPT, fresh_drafter=True, method="early-exit", exit_layer=2, max_new_tokens=12)
+    bad = model.prepare(PROMPT, fresh_drafter=True, method="early-exit", exit_layer=2, max_new_tokens=12)
+
+    def broken(*args):
+        raise RuntimeError("drafter broke")
+
+    bad.drafter.propose = broken
+    scheduler = Scheduler(model.adapter, max_batch=2)
+    outs = _submit(scheduler, [good, bad])
+    while scheduler.step():
+        pass
+    assert isinstance(outs[1]["error"], RuntimeError) and outs[0]["error"] is None
+    assert outs[0]["tokens"] == model.generate(PROMPT, method="ar", max_new_tokens=12).tokens
+    assert scheduler.totals.failed == 1
+
+
+def test_a_stop_from_the_consumer_ends_the_row(tiny):
+    model = tiny("llama")
+    run = model.prepare(PROMPT, fresh_drafter=True, method="ar", max_new_tokens=30)
+    got = []
+    scheduler = Scheduler(model.adapter)
+    scheduler.submit(Request(run.ids, run.drafter, run.sampling, run.max_new_tokens, run.stats,
+                             on_tokens=lambda t: got.extend(t) or len(got) < 5, on_done=lambda e: None))
+    while scheduler.step():
+        pass
+    assert len(got) == 5
+
+
+def test_run_thread_serves_submissions(tiny):
+    model = tiny("llama")
+    scheduler = Scheduler(model.adapter, max_batch=4)
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
+    thread.start()
+    runs = [model.prepare(p, fresh_drafter=True, method="lookup", max_new_tokens=10) for p in PROMPTS[:3]]
+    outs = _submit(scheduler, runs)
+    for o in outs:
+        assert o["event"].wait(30)
+    stop.set()
+    thread.join(5)
+    assert [o["tokens"] for o in outs] == [model.generate(p, method="ar", max_new_tokens=10).tokens for p in PROMPTS[:3]]
+
+
+def _submit(scheduler, runs):
+    outs = []
+    for run in runs:
+        out = {"tokens": [], "done": False, "error": None, "event": threading.Event()}
+
+        def on_done(error, out=out):
+            out.update(done=True, error=error)
+            out["event"].set()
+
+        out["request"] = Request(run.ids, run.drafter, run.sampling, run.max_new_tokens, run.stats,
+                                 on_tokens=out["tokens"].extend, on_done=on_done)
+        scheduler.submit(out["request"])
+        outs.append(out)
+    return outs
+
+
+def _run_all(model, runs, max_batch):
+    scheduler = Scheduler(model.adapter, max_batch=max_batch)
+    outs = _submit(scheduler, runs)
+    while scheduler.step():
+        pass
+    assert all(o["error"] is None for o in outs)
+    return [o["tokens"] for o in outs]
