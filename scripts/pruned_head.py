@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--exit-layer", "-k", type=int, nargs="+", default=[15, 22, 28], help="exit layers (default 15 22 28)")
     p.add_argument("--vocab", default="full,32768,16384,8192,4096,2048,1024",
                    help="subset sizes N, comma-separated; 'full' is the model's own head (default: full,32768,...,1024)")
+    p.add_argument("--save", action="store_true",
+                   help="also save the counted ranking as this model's draft-head file in its profile directory "
+                        "($SELFSPEC_PROFILES), as `selfspec calibrate` does, so `--draft-vocab N` can use it")
     p.add_argument("--ranking", default=None, metavar="FILE",
                    help="a draft-head ranking `selfspec calibrate` saved (on its default training prompts) instead "
                         "of counting here")
@@ -125,6 +128,14 @@ def main(argv=None) -> int:
         print("ranking: the model's greedy outputs on the training prompts", file=sys.stderr)
         counts, train_ids = ranking_from_training_prompts(model, args.train_prompts, args.train_tokens)
         ranking = rank_tokens(counts)
+        if args.save:
+            from selfspec import draft_head
+            from selfspec.profiles import save_section
+
+            source = dict(prompts="calibration_train.jsonl", num_prompts=len(train_ids), tokens=args.train_tokens)
+            path = draft_head.save_ranking(counts, draft_head.default_path(model.identity), model.identity, source)
+            save_section(model.identity, draft_head.SECTION, {"path": str(path), **source})
+            print(f"ranking saved: {path}", file=sys.stderr)
     bench = load_prompts(None, args.per_category)
     overlap = set(train_ids) & {b.question_id for b in bench}
     if overlap:

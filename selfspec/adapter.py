@@ -143,11 +143,13 @@ class ModelAdapter:
         experts: route each MoE layer's tokens to only this many experts (a draft; see selfspec.moe);
         None runs the model's own routing.
 
-        rowwise=True (the verify) makes every row's result bit-identical to running its token
-        alone, as autoregressive decoding does: the projections and MLPs batch the rows (their
-        kernels are row-invariant), but attention runs one query row at a time, because CPU SDPA
-        kernels block the keys by length and give a row different rounding in a batch. In
-        bfloat16 that rounding flips greedy tokens; with it, output stays token-identical to AR.
+        rowwise=True (the verify) keeps every row's result as close as it can be to running its
+        token alone, as autoregressive decoding does: attention runs one query row at a time,
+        because CPU SDPA kernels block the keys by length and give a row different rounding in a
+        batch (in bfloat16 that flipped greedy tokens). The projections and MLPs batch the rows;
+        a GEMM over several rows is not bit-identical to the one-row product either (float32 on
+        this CPU: up to ~4e-5 absolute on the logit scale), so greedy output equals AR unless two
+        top logits lie within that rounding of each other (never seen in the tests or benchmarks).
         """
         n = h.shape[1]
         if h.shape[0] > 1 and (write or n > 1):

@@ -227,8 +227,8 @@ def _methods(args, model) -> list[Method]:
             tag = " (tuned)" if from_tune and not (args.exit_layer or args.draft_len) else ""
             vocab = getattr(args, "draft_vocab", None)
             tag += f" V={vocab}" if vocab else ""
-            out += [Method(f"early-exit k={k} γ={g or 4}{tag}", name, k, g or 4, draft_vocab=vocab)
-                    for k in exit_layers for g in draft_lens]
+            out += [Method(f"early-exit k={k} γ={g or 4}{tag}{_adapter_tag(profile, k)}", name, k, g or 4,
+                           draft_vocab=vocab) for k in exit_layers for g in draft_lens]
         elif name == "expert-subset":
             if top_k is None:
                 raise ValueError(f"--method expert-subset needs a mixture-of-experts model; {model.name} is dense")
@@ -243,6 +243,13 @@ def _methods(args, model) -> list[Method]:
                 label += " (searched profile)" if "layer-skip" in profile else " (untuned default)"
             out.append(Method(label, name, None, draft_lens[0]))
     return out
+
+
+def _adapter_tag(profile: dict, k: int) -> str:
+    """' + exit adapter' when early exit at k will use the profile's trained exit adapter."""
+    from selfspec.exit_adapter import chosen_path
+
+    return " + exit adapter" if chosen_path(None, profile, k) is not None else ""
 
 
 def warm_up(model, methods: list[Method], ids: torch.Tensor, n: int) -> list[Method]:

@@ -175,9 +175,9 @@ def self_distillation(model, prompts: list[torch.Tensor], exit_layers: list[int]
     parts = []
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr, disable=not progress)
     try:
-        for batch in _batches(prompts, batch_size, batch_tokens):
+        for batch in length_batches(prompts, batch_size, batch_tokens):
             steps.clear()
-            ids, mask = _left_padded([prompts[i] for i in batch], config.pad_token_id)
+            ids, mask = left_padded([prompts[i] for i in batch], config.pad_token_id)
             out = model.hf_model.generate(ids.to(adapter.device), attention_mask=mask.to(adapter.device),
                                           generation_config=config)
             width = ids.shape[1]
@@ -224,7 +224,7 @@ def _examples(adapter, states: dict[int, torch.Tensor], prompt: int, n_prompt: i
     )
 
 
-def _batches(prompts: list[torch.Tensor], batch_size: int, batch_tokens: int):
+def length_batches(prompts: list[torch.Tensor], batch_size: int, batch_tokens: int):
     """Prompt indices in batches of similar length: at most batch_size rows, and rows × longest
     prompt at most batch_tokens (one row always)."""
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].numel())
@@ -238,7 +238,7 @@ def _batches(prompts: list[torch.Tensor], batch_size: int, batch_tokens: int):
         yield batch
 
 
-def _left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids and attention mask [rows, longest], prompts right-aligned."""
     width = max(p.numel() for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)

@@ -1,5 +1,5 @@
 """The `selfspec` command: one entry point, subcommands `generate`, `serve`, `tune`, `search`, `calibrate`,
-`bench` and `calc`."""
+`train`, `bench` and `calc`."""
 
 from __future__ import annotations
 

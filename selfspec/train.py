@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from selfspec.calibrate import _batches, _left_padded, held_out_prompts
+from selfspec.calibrate import length_batches, left_padded, held_out_prompts
 from selfspec.tuner.trace import trace
 
 CURRICULA = ("rotational", "gradual", "none")
@@ -130,17 +130,23 @@ class Exits:
     states that exits read. The forward itself is the model's own (transformers' body module), so
     training runs wherever the model does; outside `with`, the model is untouched.
 
-    drop: [L, batch] bool, True = that layer returns its input for that row (skipped whole; its
-    output is computed and discarded, which costs the mean rate, about 0.44·p_max, of the layers'
-    time and keeps every row of the batch in one kernel call). None: no dropout.
     keep: the exits k whose input (the output of layer k-1) is kept in `states`."""
 
     def __init__(self, layers: torch.nn.ModuleList):
         self.layers = layers
-        self.drop: torch.Tensor | None = None
+        self.device = next(layers.parameters()).device
+        self.drop: torch.Tensor | None = None  # [L, batch] bool on the model's device; see `dropout`
+        self.skips: list[bool] | None = None  # per layer: is it dropped for any row (known without a device sync)
         self.keep: set[int] = set()
         self.states: dict[int, torch.Tensor] = {}  # k -> [batch, seq, hidden]
         self._handles = []
+
+    def dropout(self, draw: torch.Tensor | None) -> None:
+        """This step's layer dropout: draw [L, batch] bool on the CPU, True = that layer returns its
+        input for that row (skipped whole: its output is computed and discarded, which costs the mean
+        rate, about 0.44·p_max, of the layers' time and keeps the batch in one kernel call); None: off."""
+        self.skips = None if draw is None else draw.any(1).tolist()
+        self.drop = None if draw is None else draw.to(self.device)
 
     def __enter__(self) -> Exits:
         self._handles = [layer.register_forward_hook(self._hook(i), with_kwargs=True)
@@ -155,7 +161,7 @@ class Exits:
     def _hook(self, i: int):
         def hook(module, args, kwargs, output):
             out = output[0] if isinstance(output, tuple) else output
-            changed = self.drop is not None and bool(self.drop[i].any())
+            changed = self.skips is not None and self.skips[i]
             if changed:
                 h_in = args[0] if args else kwargs["hidden_states"]
                 out = torch.where(self.drop[i].view(-1, 1, 1), h_in, out)
@@ -177,10 +183,11 @@ class Batch:
 @dataclass
 class Document:
     ids: list[int]
-    first: int  # ids[first:] are targets (each predicted from the tokens before it); ids[:first] is context, e.g. a prompt
+    first: int  # ids[first:] are targets, each predicted from the tokens before it; ids[:first] is context (a prompt)
 
 
 def make_batch(docs: list[Document], pad: int, device) -> Batch:
+    """Right-padded, so that every row's positions start at 0 as in decoding; padding is masked and never a target."""
     width = max(len(d.ids) for d in docs)
     ids = torch.full((len(docs), width), pad, dtype=torch.long)
     labels = torch.full((len(docs), width), -100, dtype=torch.long)
@@ -272,8 +279,8 @@ def self_generated(model, prompts: list[str], max_new_tokens: int, *, batch_size
     docs: dict[int, Document] = {}
     device = model.adapter.device
     bar = tqdm(total=len(encoded), desc="generate", unit="prompt", file=sys.stderr, disable=not progress)
-    for batch in _batches(encoded, batch_size, 8192):
-        ids, mask = _left_padded([encoded[i] for i in batch], config.pad_token_id)
+    for batch in length_batches(encoded, batch_size, 8192):
+        ids, mask = left_padded([encoded[i] for i in batch], config.pad_token_id)
         out = model.hf_model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
         for row, i in enumerate(batch):
             answer = out[row, ids.shape[1]:].tolist()
@@ -325,8 +332,10 @@ def split(docs: list[Document], seq_len: int, holdout: float, seed: int, source:
 @dataclass
 class Evaluation:
     loss: dict[int, float]  # k -> held-out CE of exit k's prediction; k = L is the full model
-    agree: dict[int, float]  # k -> share of held-out target positions where exit k's argmax equals the full model's (teacher-forced on the held-out text)
-    alpha: dict[int, float] = field(default_factory=dict)  # k -> α on the model's own greedy outputs of the held-out prompts; empty in the checks during training
+    # k -> share of held-out target positions where exit k's argmax is the full model's, teacher-forced on the text
+    agree: dict[int, float]
+    # k -> α on the model's own greedy outputs of the held-out prompts; empty in the checks during training
+    alpha: dict[int, float] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)  # those greedy outputs
 
 
@@ -385,7 +394,7 @@ class Trained:
     n_layers: int
     before: Evaluation
     after: Evaluation
-    history: list[dict] = field(default_factory=list)  # the checks during training: step, train loss, held-out CE and agreement
+    history: list[dict] = field(default_factory=list)  # checks during training: step, train loss, held-out CE, agree
     seconds: float = 0.0  # training only (the evaluations before and after not included)
     train_windows: int = 0
     train_tokens: int = 0  # target tokens seen, over all steps
@@ -412,7 +421,9 @@ class Trained:
                     seconds=round(self.seconds, 1), train_windows=self.train_windows, train_tokens=self.train_tokens)
 
 
-def check_line(step: int, steps: int, train_loss: float | None, e: Evaluation, exit_layers: list[int], n_layers: int) -> str:
+def check_line(step: int, steps: int, train_loss: float | None, e: Evaluation, exit_layers: list[int],
+               n_layers: int) -> str:
+    """One line of progress: the held-out CE at each reported exit and of the full model, and agreement."""
     parts = [f"step {step:>{len(str(steps))}}/{steps}"]
     if train_loss is not None:
         parts.append(f"train loss {train_loss:.3f}")
@@ -470,7 +481,7 @@ def train(model, data: Data, recipe: Recipe, exit_layers: list[int], *, eval_eve
                 active = active_exits(step, recipe.steps, n_layers, recipe.curriculum, recipe.rotation)
                 weights = exit_weights(active, scales)
                 draw = torch.rand(n_layers, len(docs), generator=generator) < rates[:, None]  # [L, b]
-                exits.drop = draw.to(adapter.device) if recipe.p_max > 0 else None
+                exits.dropout(draw if recipe.p_max > 0 else None)
                 logits = exit_forward(adapter, exits, batch, active)
                 loss = sum(w * cross_entropy(logits[k], batch.labels) for k, w in weights.items())
                 del logits
@@ -484,7 +495,7 @@ def train(model, data: Data, recipe: Recipe, exit_layers: list[int], *, eval_eve
                 loss_avg = value if loss_avg is None else 0.9 * loss_avg + 0.1 * value
                 bar.set_postfix(loss=f"{loss_avg:.3f}", exits=len(active))
                 if (step + 1) % eval_every == 0 or step + 1 == recipe.steps:
-                    exits.drop = None
+                    exits.dropout(None)
                     hf.eval()
                     check = held_out_losses(model, data, exit_layers, recipe.batch_size)
                     hf.train()

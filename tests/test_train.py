@@ -70,8 +70,9 @@ def test_exits_read_the_models_own_forward_and_drop_layers_per_row():
     with Exits(adapter.layers) as exits:
         logits = exit_forward(adapter, exits, batch, [3, 6])
         torch.testing.assert_close(logits[6], model.hf_model(ids).logits)  # exit L is the full model
-        exits.drop = torch.zeros(6, 2, dtype=torch.bool)
-        exits.drop[3, 0] = True  # layer 3 skipped for row 0 only
+        draw = torch.zeros(6, 2, dtype=torch.bool)
+        draw[3, 0] = True  # layer 3 skipped for row 0 only
+        exits.dropout(draw)
         exit_forward(adapter, exits, batch, [3, 4])
         skipped = exits.states
         torch.testing.assert_close(skipped[4][0], skipped[3][0])

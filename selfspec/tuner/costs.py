@@ -13,7 +13,7 @@ shape: a first call after other shapes runs measurably slower on a CPU (a one-of
 here: v(1) about 1.17 cold, 1.00 warm), and a decode repeats the same shapes round after round.
 
 On a CPU v(n) grows with n: more rows through every weight matrix (SmolLM2 on 2 cores: v(2) = 1.54
-in results/tune_smollm2/tune.json), and the verify's attention runs row by row to stay bit-identical to decoding.
+in results/tune_smollm2/tune.json), and the verify's attention runs row by row to round as decoding does.
 On a GPU it is close to 1 for small n.
 """
 
