@@ -20,23 +20,19 @@ section.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from selfspec import tagged_file
 from selfspec.profiles import ModelIdentity, ProfileMismatchError, profiles_dir
 
 SECTION = "draft-head"  # the profile section naming this model's token ranking
 FORMAT = "selfspec-draft-head/1"
-HEADER_KEY = "selfspec"  # the safetensors metadata entry holding the JSON header
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)  # subset sizes whose coverage is reported
 
 
@@ -139,38 +135,13 @@ def save_ranking(counts: torch.Tensor, path: str | Path, identity: ModelIdentity
     counts = counts.to("cpu", torch.long).contiguous()
     header = dict(format=FORMAT, identity=asdict(identity), vocab_size=counts.numel(),
                   tokens=int(counts.sum()), source=source or {})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({"counts": counts, "ranking": rank_tokens(counts).contiguous()}, tmp,
-                  metadata={HEADER_KEY: json.dumps(header)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return tagged_file.write(path, {"counts": counts, "ranking": rank_tokens(counts).contiguous()}, header)
 
 
 def read_header(path: str | Path) -> dict:
     """The JSON header of a draft-head file, without loading its tensors."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no draft-head ranking at {path}; run `selfspec calibrate`")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path} is not a safetensors file ({err})") from None
-    try:
-        header = json.loads(metadata[HEADER_KEY])
-    except (KeyError, json.JSONDecodeError):
-        header = {}
-    if header.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a selfspec draft-head ranking (no '{FORMAT}' header); make one with "
-                         f"`selfspec calibrate`")
-    return header
+    missing = f"no draft-head ranking at {path}; run `selfspec calibrate`"
+    return tagged_file.read_header(path, FORMAT, missing, "draft-head ranking")
 
 
 def load_ranking(path: str | Path, identity: ModelIdentity) -> torch.Tensor:

@@ -18,22 +18,18 @@ points at the one `generate`, `bench` and the server use when their k matches it
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from selfspec import tagged_file
 from selfspec.profiles import ModelIdentity, ProfileMismatchError, profiles_dir
 
 SECTION = "exit-adapter"  # the profile section naming this model's adapter
 FORMAT = "selfspec-exit-adapter/1"
-HEADER_KEY = "selfspec"  # the safetensors metadata entry holding the JSON header
 DISABLED = (False, "none")  # values of the exit_adapter option that turn the adapter off
 
 
@@ -76,37 +72,12 @@ def save_exit_adapter(adapter: ExitAdapter, path: str | Path, identity: ModelIde
                   hidden_size=adapter.hidden_size, width=adapter.width, dtype="float32",
                   training=training or {})
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in adapter.state_dict().items()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return tagged_file.write(path, tensors, header)
 
 
 def read_header(path: str | Path) -> dict:
     """The JSON header of an adapter file, without loading its weights."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no exit adapter at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path} is not a safetensors file ({err})") from None
-    try:
-        header = json.loads(metadata[HEADER_KEY])
-    except (KeyError, json.JSONDecodeError):
-        header = {}
-    if header.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a selfspec exit adapter (no '{FORMAT}' header); make one with "
-                         f"`selfspec calibrate`")
-    return header
+    return tagged_file.read_header(path, FORMAT, f"no exit adapter at {path}", "exit adapter")
 
 
 def load_exit_adapter(path: str | Path, identity: ModelIdentity) -> ExitAdapter:

@@ -1,0 +1,51 @@
+"""Small safetensors files whose metadata carries a JSON header saying what they are and which
+model they belong to: exit adapters (selfspec.exit_adapter) and draft-head rankings
+(selfspec.draft_head). Written atomically; the header is read without loading the tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+HEADER_KEY = "selfspec"  # the safetensors metadata entry holding the JSON header
+
+
+def write(path: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> Path:
+    """Write tensors and header to `path` through a temporary file, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def read_header(path: str | Path, format_: str, missing: str, what: str) -> dict:
+    """The header of the file at `path`, which must be of `format_`. `missing`: the error when
+    there is no file; `what`: the kind of file, for the error when it is another kind."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(missing)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a safetensors file ({err})") from None
+    try:
+        header = json.loads(metadata[HEADER_KEY])
+    except (KeyError, json.JSONDecodeError):
+        header = {}
+    if header.get("format") != format_:
+        raise ValueError(f"{path} is not a selfspec {what} (no '{format_}' header); make one with `selfspec calibrate`")
+    return header
