@@ -10,6 +10,7 @@ committed token, `pending`, sits at position cache.length without having been fe
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -122,7 +123,7 @@ class Decoding:
         self.sync()
         self.stats.prefill_s = time.perf_counter() - self._t0
         if measure_step:  # c's denominator, at this context length (attention grows with it)
-            self.stats.step_s = measure_step_time(adapter, self.cache, position=n)
+            self.stats.step_s = step_time(adapter, self.cache, position=n)
             self._t0 = time.perf_counter() - self.stats.prefill_s  # the probe is not decoding time
         return self._commit([int(first)])
 
@@ -199,6 +200,20 @@ def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]
     h = adapter.run_rows(h, range(adapter.n_layers), [s.start for s in seqs], [s.cache for s in seqs])
     logits = adapter.head_rows(h)  # [B, n, vocab]
     return [logits[b, : len(d) + 1] for b, d in enumerate(drafts)]
+
+
+_STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> {context bucket: seconds}
+STEP_BUCKET = 256  # positions per bucket of context length that share one measured step time
+
+
+def step_time(adapter: ModelAdapter, cache: KVCache, position: int) -> float:
+    """`measure_step_time`, measured once per model and per STEP_BUCKET positions of context: the
+    probe is four full forwards, too much to repeat before every short generation."""
+    times = _STEP_TIMES.setdefault(adapter, {})
+    bucket = position // STEP_BUCKET
+    if bucket not in times:
+        times[bucket] = measure_step_time(adapter, cache, position)
+    return times[bucket]
 
 
 def measure_step_time(adapter: ModelAdapter, cache: KVCache, position: int, repeats: int = 3) -> float:
