@@ -49,7 +49,11 @@ ARCHS = list(_configs())
 
 def tiny_model(arch: str, seed: int = 0, dtype=torch.float32):
     """A random model whose logits are peaked enough that greedy has no near-ties."""
-    config = _configs()[arch]
+    return build(_configs()[arch], seed, dtype)
+
+
+def build(config, seed: int = 0, dtype=torch.float32):
+    """The model of `config` with random weights drawn as tiny_model's are."""
     config.eos_token_id = None
     config.bos_token_id = None
     torch.manual_seed(seed)

@@ -7,9 +7,9 @@ renormalises, normalises q/k per head and alternates dense and MoE layers (first
 """
 
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from tiny_models import COMMON
+from tiny_models import COMMON, build
 
 EXPERTS = 4  # routed experts per MoE layer
 TOP_K = 2  # experts each token uses in the full model
@@ -37,13 +37,4 @@ MOE_ARCHS = list(_configs())
 def tiny_moe_model(arch: str, seed: int = 0, dtype=torch.float32, layers: int = COMMON["num_hidden_layers"]):
     """A random MoE model, initialised as tiny_models.tiny_model (peaked logits, no greedy near-ties);
     fewer `layers` for tests that generate thousands of times."""
-    config = _configs(layers)[arch]
-    config.eos_token_id = None
-    config.bos_token_id = None
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.08)
-    return model.eval().requires_grad_(False)
+    return build(_configs(layers)[arch], seed, dtype)
