@@ -191,7 +191,7 @@ class SelfSpecModel:
             raise ValueError("stop strings need a tokenizer")
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
-        return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats)
+        return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids)
 
     def stream(self, prompt: str | Sequence[int], **options) -> Stream:
         """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
@@ -200,7 +200,7 @@ class SelfSpecModel:
         result = Generation(text="", tokens=[], stats=p.stats)
         rounds = decode(
             self.adapter, p.ids, p.drafter, sampling=p.sampling, max_new_tokens=p.max_new_tokens,
-            eos_ids=self.eos_ids, stats=p.stats,
+            eos_ids=p.eos_ids, stats=p.stats,
         )
         return Stream(self._chunks(rounds, result, p.stop), result)
 
@@ -208,7 +208,7 @@ class SelfSpecModel:
         """Generate for several prompts decoded together in one batch (continuous batching: see
         selfspec.batch); same options as `stream`, applied to every prompt. Each result is what
         `generate` gives for that prompt alone (greedy: token for token)."""
-        from selfspec.batch import Request, Scheduler
+        from selfspec.batch import Scheduler
 
         scheduler = Scheduler(self.adapter, max_batch=max_batch, max_queue=len(prompts))
         results, errors = [], []
@@ -223,9 +223,7 @@ class SelfSpecModel:
                 result.text = text.text
                 return not text.stopped
 
-            scheduler.submit(Request(p.ids, p.drafter, p.sampling, p.max_new_tokens, p.stats, on_tokens,
-                                     on_done=lambda error: errors.append(error) if error else None,
-                                     eos_ids=self.eos_ids))
+            scheduler.submit(p.request(on_tokens, on_done=lambda error: errors.append(error) if error else None))
             results.append(result)
         while scheduler.step():
             pass
@@ -285,6 +283,15 @@ class Prepared:
     max_new_tokens: int
     stop: list[str]
     stats: GenerationStats
+    eos_ids: frozenset[int]
+
+    def request(self, on_tokens, on_done):
+        """This generation as a request for the batch scheduler (see selfspec.batch.Request for
+        the two callbacks)."""
+        from selfspec.batch import Request
+
+        return Request(self.ids, self.drafter, self.sampling, self.max_new_tokens, self.stats,
+                       on_tokens=on_tokens, on_done=on_done, eos_ids=self.eos_ids)
 
 
 class Detokenizer:

@@ -115,9 +115,13 @@ class Scheduler:
         rows = [(r, s, d) for (r, s), d in zip(rows, drafts) if d is not None]
         # Drafters that keep working on the cache while the verify runs (saguaro) need a verify
         # that touches only their own row's slots as a lone verify would: theirs run alone.
-        alone = [row for row in rows if getattr(row[1].drafter, "verify_alone", False)]
-        shared = [row for row in rows if not getattr(row[1].drafter, "verify_alone", False)]
-        for group in [[row] for row in alone] + ([shared] if shared else []):
+        groups, shared = [], []
+        for row in rows:
+            if getattr(row[1].drafter, "verify_alone", False):
+                groups.append([row])
+            else:
+                shared.append(row)
+        for group in groups + ([shared] if shared else []):
             self._verify(group)
         self._retire()
         return True

@@ -40,6 +40,18 @@ METHOD_HELP = (
 )
 
 
+def _speculation_options(p: argparse.ArgumentParser) -> None:
+    """The method, k, γ and every drafter knob: what `generate` takes per run and `serve` as defaults."""
+    p.add_argument("--method", default="auto", choices=["auto", *METHODS], help=METHOD_HELP)
+    p.add_argument("--exit-layer", "-k", type=int, default=None,
+                   help="exit layer k: the draft runs layers 0..k-1 (default: the tuned profile's, else 3/4 of the "
+                        "model's depth)")
+    p.add_argument("--draft-len", "-g", type=int, default=None,
+                   help="draft length γ, tokens per round; the cap for adaptive methods (default: early-exit 4, "
+                        "layer-skip 8, swift 25, others per method)")
+    _drafter_options(p)
+
+
 def _drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence stop: end a draft after a token whose draft top-1 probability is below this "
@@ -85,13 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "(tokens, tokens/s, α, accepted tokens per step, k, γ, c) follows on stderr.")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text; '-' or nothing reads standard input")
     _model_options(g)
-    g.add_argument("--method", default="auto", choices=["auto", *METHODS], help=METHOD_HELP)
-    g.add_argument("--exit-layer", "-k", type=int, default=None,
-                   help="exit layer k: the draft runs layers 0..k-1 (default: 3/4 of the model's depth)")
-    g.add_argument("--draft-len", "-g", type=int, default=None,
-                   help="draft length γ, tokens per round; the cap for adaptive methods (default: early-exit 4, "
-                        "layer-skip 8, swift 25, others per method)")
-    _drafter_options(g)
+    _speculation_options(g)
     g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="most tokens to generate (default 128)")
     g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0: off)")
@@ -120,10 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     sv.add_argument("--max-queue", type=int, default=32,
                     help="requests waiting for a free row before the server answers 503 (default 32)")
-    sv.add_argument("--method", default="auto", choices=["auto", *METHODS], help=METHOD_HELP)
-    sv.add_argument("--exit-layer", "-k", type=int, default=None, help="exit layer k (default: per method/profile)")
-    sv.add_argument("--draft-len", "-g", type=int, default=None, help="draft length γ (default: per method/profile)")
-    _drafter_options(sv)
+    _speculation_options(sv)
 
     s = sub.add_parser("search", help="find the layer-skip set for this model (Bayesian optimisation)",
                        description="Search, offline, which attention and MLP sublayers the layer-skip draft should "
@@ -334,11 +337,8 @@ def _generate(args) -> int:
     if not prompt.strip():
         raise ValueError("the prompt is empty: give some text (or '-' to read standard input)")
     options = dict(
-        method=args.method, exit_layer=args.exit_layer, draft_len=args.draft_len,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, threshold=args.threshold,
-        skip=args.skip, skip_ratio=args.skip_ratio, every=args.every, ngram=args.ngram, profile=args.profile,
-        exit_adapter=args.exit_adapter, draft_vocab=args.draft_vocab, experts=args.experts,
+        _speculation(args), max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
     )
     _check_options(options)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
@@ -362,11 +362,8 @@ def _serve(args) -> int:
     import selfspec
     from selfspec.server import create_app
 
-    options = dict(method=args.method, exit_layer=args.exit_layer, draft_len=args.draft_len, threshold=args.threshold,
-                   skip=args.skip, skip_ratio=args.skip_ratio, every=args.every, ngram=args.ngram,
-                   profile=args.profile, exit_adapter=args.exit_adapter, draft_vocab=args.draft_vocab,
-                   experts=args.experts)
-    _check_options({**options, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 1})
+    options = _speculation(args)
+    _check_options(options)
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
@@ -383,11 +380,19 @@ def _serve(args) -> int:
     return 0
 
 
+def _speculation(args) -> dict:
+    """The options `_speculation_options` defined, as SelfSpecModel.prepare takes them."""
+    names = ("method", "exit_layer", "draft_len", "threshold", "skip", "skip_ratio", "every", "ngram", "profile",
+             "exit_adapter", "draft_vocab", "experts")
+    return {name: getattr(args, name) for name in names}
+
+
 def _check_options(options: dict) -> None:
-    """Cheap argument checks before the (slow) model load."""
+    """Cheap argument checks before the (slow) model load; sampling ones only when given."""
     from selfspec.sampling import SamplingParams
 
-    SamplingParams(temperature=options["temperature"], top_k=options["top_k"], top_p=options["top_p"])
+    if "temperature" in options:
+        SamplingParams(temperature=options["temperature"], top_k=options["top_k"], top_p=options["top_p"])
     if options["skip"] is not None:
         from selfspec.skips import SkipSet
 
@@ -403,7 +408,7 @@ def _check_options(options: dict) -> None:
         raise ValueError(f"--draft-vocab must be >= 1, got {options['draft_vocab']}")
     if options["draft_len"] is not None and options["draft_len"] < 1:
         raise ValueError(f"--draft-len must be >= 1, got {options['draft_len']}")
-    if options["max_new_tokens"] < 1:
+    if options.get("max_new_tokens", 1) < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {options['max_new_tokens']}")
     if options["exit_layer"] is not None and options["exit_layer"] < 1:
         raise ValueError(f"--exit-layer must be >= 1, got {options['exit_layer']}")

@@ -107,8 +107,7 @@ class Server:
         except ValueError as error:
             raise ApiError(400, str(error), param="max_tokens" if "max_new_tokens" in str(error) else None)
         job.max_tokens = limit
-        request = Request(prepared.ids, prepared.drafter, prepared.sampling, prepared.max_new_tokens,
-                          prepared.stats, on_tokens=job.on_tokens, on_done=job.on_done, eos_ids=self.model.eos_ids)
+        request = prepared.request(job.on_tokens, job.on_done)
         job.request = request
         try:
             self.scheduler.submit(request)

@@ -19,6 +19,19 @@ def assert_greedy_lossless(model, prompt=PROMPT, n=40, **options):
     return out
 
 
+def assert_adapter_matches_transformers(model, adapter):
+    """The adapter's logits equal the HF model's own forward: a 20-position prefill (longer than
+    every tiny sliding window, so masks and windows are exercised), then single tokens."""
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = model(ids.view(1, -1)).logits[0]
+        cache = adapter.new_cache(32)
+        logits = [adapter.head(adapter.run_layers(adapter.embed(ids[:20]), range(adapter.n_layers), 0, cache))]
+        for t in range(20, 30):
+            logits.append(adapter.head(adapter.run_layers(adapter.embed(ids[t:t + 1]), range(adapter.n_layers), t, cache)))
+    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
+
+
 def exact_second_token_marginal(model, prompt, params: SamplingParams) -> torch.Tensor:
     """P(second new token = t) when sampling the full model token by token, enumerated."""
     adapter = model.adapter

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from lossless import PROMPT, REPETITIVE
-from selfspec.batch import QueueFull, Request, Scheduler
+from selfspec.batch import QueueFull, Scheduler
 
 PROMPTS = [PROMPT, REPETITIVE, [7, 3, 9], PROMPT[:4] + REPETITIVE[:6], [11] * 12]
 
@@ -114,8 +114,7 @@ def test_a_stop_from_the_consumer_ends_the_row(tiny):
     run = model.prepare(PROMPT, fresh_drafter=True, method="ar", max_new_tokens=30)
     got = []
     scheduler = Scheduler(model.adapter)
-    scheduler.submit(Request(run.ids, run.drafter, run.sampling, run.max_new_tokens, run.stats,
-                             on_tokens=lambda t: got.extend(t) or len(got) < 5, on_done=lambda e: None))
+    scheduler.submit(run.request(on_tokens=lambda t: got.extend(t) or len(got) < 5, on_done=lambda e: None))
     while scheduler.step():
         pass
     assert len(got) == 5
@@ -145,8 +144,7 @@ def _submit(scheduler, runs):
             out.update(done=True, error=error)
             out["event"].set()
 
-        out["request"] = Request(run.ids, run.drafter, run.sampling, run.max_new_tokens, run.stats,
-                                 on_tokens=out["tokens"].extend, on_done=on_done)
+        out["request"] = run.request(on_tokens=out["tokens"].extend, on_done=on_done)
         scheduler.submit(out["request"])
         outs.append(out)
     return outs

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
-from lossless import assert_sampling_matches_target
+from lossless import assert_adapter_matches_transformers, assert_sampling_matches_target
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 PROMPT = [5, 17, 33, 2 + 1, 60, 71, 8, 90, 41]
@@ -20,16 +20,7 @@ def hf_greedy(model, prompt, n):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_adapter_logits_match_transformers_forward(arch):
     model = tiny_model(arch)
-    adapter = ModelAdapter(model)
-    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        reference = model(ids.view(1, -1)).logits[0]
-        cache = adapter.new_cache(32)
-        # Prefill 20 positions, then one token at a time: exercises masks and sliding windows.
-        logits = [adapter.head(adapter.run_layers(adapter.embed(ids[:20]), range(adapter.n_layers), 0, cache))]
-        for t in range(20, 30):
-            logits.append(adapter.head(adapter.run_layers(adapter.embed(ids[t:t + 1]), range(adapter.n_layers), t, cache)))
-    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
+    assert_adapter_matches_transformers(model, ModelAdapter(model))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

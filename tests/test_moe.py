@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, OlmoeConfig
 
 import selfspec.cache
-from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
+from lossless import PROMPT, assert_adapter_matches_transformers, assert_greedy_lossless, assert_sampling_matches_target
 from selfspec import SelfSpecModel
 from selfspec.adapter import ModelAdapter, UnsupportedModelError
 from selfspec.bench import _methods
 from selfspec.drafters.expert_subset import ExpertSubset
 from selfspec.moe import experts_per_token, moe_layers, routed
-from tiny_models import COMMON, VOCAB
+from tiny_models import COMMON
 from tiny_moe import MOE_ARCHS, TOP_K, tiny_moe_model
 
 FIRST_MOE_LAYER = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 1}
@@ -27,15 +27,7 @@ def test_adapter_logits_match_transformers_forward(arch):
     model = tiny_moe_model(arch)
     adapter = ModelAdapter(model)
     assert moe_layers(adapter.layers)[0] == FIRST_MOE_LAYER[arch] and experts_per_token(adapter.layers) == TOP_K
-    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        reference = model(ids.view(1, -1)).logits[0]
-        cache = adapter.new_cache(32)
-        # A prefill longer than every sliding window, then single tokens.
-        logits = [adapter.head(adapter.run_layers(adapter.embed(ids[:20]), range(adapter.n_layers), 0, cache))]
-        for t in range(20, 30):
-            logits.append(adapter.head(adapter.run_layers(adapter.embed(ids[t:t + 1]), range(adapter.n_layers), t, cache)))
-    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
+    assert_adapter_matches_transformers(model, adapter)
 
 
 def _reference_routed(block, x, budget):
