@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from selfspec.cache import KVCache
 from selfspec.moe import routed
 from selfspec.skips import SkipSet
+from selfspec.step import LeanStep
 
 NO_SKIP = SkipSet()
+CAPACITY_STEP = 512  # the lean step's cache capacities are multiples of this
 
 # model_type -> block layout. "pre-norm": Llama-style (norm before attention and MLP);
 # "sandwich": Gemma 3 (norms before and after both attention and MLP).
@@ -95,6 +97,20 @@ class ModelAdapter:
         ]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.step: LeanStep | None = None  # the lean step, once `lean()` turned it on
+
+    def lean(self, *, compile: bool = False, exact_rows: int | None = None, backend=None) -> LeanStep:
+        """Route plain layer runs (every draft and verify that writes the cache) through the lean
+        step (selfspec.step): fused weights, one attention call over the static cache, eager or
+        compiled per row bucket. exact_rows: run every forward in that many rows (exact mode)."""
+        if backend is not None or self.step is None or (self.step.compile, self.step.exact_rows) != (compile, exact_rows):
+            self.step = LeanStep(self, compile=compile, exact_rows=exact_rows, backend=backend)
+        return self.step
+
+    @property
+    def exact(self) -> bool:
+        """Every forward runs one fixed row bucket (see selfspec.step): greedy identity by construction."""
+        return self.step is not None and self.step.exact_rows is not None
 
     @property
     def device(self) -> torch.device:
@@ -105,6 +121,12 @@ class ModelAdapter:
         return self.lm_head.weight.dtype
 
     def new_cache(self, capacity: int) -> KVCache:
+        if self.step is not None:
+            # One scratch slot for padding rows; compiled, capacities rounded up so that compiled
+            # code (specialised on the cache's shape) is shared by generations of similar length.
+            capacity += 1
+            if self.step.compile:
+                capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         self._ensure_rope(capacity)
         return KVCache(
             self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype=self.dtype, device=self.device
@@ -152,6 +174,8 @@ class ModelAdapter:
         top logits lie within that rounding of each other (never seen in the tests or benchmarks).
         """
         n = h.shape[1]
+        if self.step is not None and write and record is None and experts is None and h.shape[0] == 1:
+            return self.step.run(h, layers, start, cache, skip)
         if h.shape[0] > 1 and (write or n > 1):
             raise ValueError("a batch of candidate states is only supported as a one-position probe (write=False)")
         masks: dict[int | None, torch.Tensor | None] = {}
@@ -179,7 +203,11 @@ class ModelAdapter:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden states [1, n, hidden] -> logits [n, vocab] in float32."""
-        return self.head_rows(h)[0]
+        n = h.shape[1]
+        if self.step is not None and self.step.exact_rows is not None and n < self.step.exact_rows:
+            # Exact mode: the head runs the same bucket of rows as every layer (see selfspec.step).
+            h = torch.cat([h, h[:, -1:].expand(-1, self.step.exact_rows - n, -1)], dim=1)
+        return self.head_rows(h)[0, :n]
 
     def head_rows(self, h: torch.Tensor) -> torch.Tensor:
         """hidden states [B, n, hidden] -> logits [B, n, vocab] in float32."""

@@ -20,12 +20,17 @@ from selfspec.engine import check_length, decode
 from selfspec.exit_adapter import adapter_exit_layer
 from selfspec.loading import LoadedModel, load_hf
 from selfspec.profiles import ModelIdentity, load_profile
+from selfspec.quantize import ACTIVATION_DTYPE, quantize_int8
 from selfspec.sampling import SamplingParams
 from selfspec.skips import SkipSet
 from selfspec.stats import GenerationStats
+from selfspec.step import unsupported_reason
 from selfspec.tuner.run import SECTION as TUNE_SECTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXACT_ROWS = 8  # exact mode's one row bucket: drafts of up to 7 tokens
+# Device type -> compile the decode step unless told otherwise (measured: README, "The lean step").
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
 
 
 @dataclass
@@ -61,6 +66,12 @@ class SelfSpecModel:
     hf_model: torch.nn.Module
     tokenizer: object | None = None  # None: prompts must be token ids
     name: str = "model"
+    # The lean step (selfspec.step) runs drafts and verifies where the model supports it; compile
+    # compiles it per row bucket; exact runs every forward in EXACT_ROWS rows (greedy identity by
+    # construction, on any CPU or GPU).
+    lean: bool = True
+    compile: bool = False
+    exact: bool = False
     adapter: ModelAdapter = field(init=False)
     # Drafters by their options, kept for the session: adaptive ones (SWIFT) carry what they
     # learned on one prompt over to the next.
@@ -70,6 +81,12 @@ class SelfSpecModel:
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
         self.identity = ModelIdentity.of(self.hf_model, self.name)
+        reason = unsupported_reason(self.adapter)
+        if reason is not None and (self.compile or self.exact):
+            raise ValueError(f"--compile and --exact need the lean step, which does not support {self.name} "
+                             f"({reason}); run without them")
+        if reason is None and (self.lean or self.compile or self.exact):
+            self.adapter.lean(compile=self.compile, exact_rows=EXACT_ROWS if self.exact else None)
 
     @property
     def n_layers(self) -> int:
@@ -189,6 +206,9 @@ class SelfSpecModel:
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if self.adapter.exact and drafter.draft_len + 1 > EXACT_ROWS:
+            raise ValueError(f"exact mode runs every forward in {EXACT_ROWS} rows: the draft length must be at "
+                             f"most {EXACT_ROWS - 1}, got {drafter.draft_len}")
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
         return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids)
@@ -344,12 +364,28 @@ def load(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     progress: bool = True,
+    compile: bool | None = None,
+    exact: bool = False,
 ) -> SelfSpecModel:
     """Load a bundled model by name ("smollm2", the default; "gemma3"), a local Hugging Face
-    checkpoint directory or a .gguf file."""
+    checkpoint directory or a .gguf file. dtype: float32, bfloat16, float16 or int8 (weight-only,
+    bfloat16 activations; see selfspec.quantize). compile: compile the decode step (None: this
+    machine's default, see `default_compile`); exact: every forward in one fixed row bucket."""
+    quantize = dtype == "int8"
+    if quantize:
+        dtype = ACTIVATION_DTYPE
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join([*DTYPES, 'int8'])}")
         dtype = DTYPES[dtype]
     loaded: LoadedModel = load_hf(model, dtype=dtype, device=device, progress=progress)
-    return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name)
+    if quantize:
+        quantize_int8(loaded.model)
+    if compile is None:
+        compile = default_compile(device)
+    return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, compile=compile, exact=exact)
+
+
+def default_compile(device: str) -> bool:
+    """Whether the decode step is compiled by default: where it was measured faster (README)."""
+    return COMPILE_BY_DEFAULT.get(torch.device(device).type, False)

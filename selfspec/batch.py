@@ -117,7 +117,8 @@ class Scheduler:
         # that touches only their own row's slots as a lone verify would: theirs run alone.
         groups, shared = [], []
         for row in rows:
-            if getattr(row[1].drafter, "verify_alone", False):
+            # Exact mode: a batched verify would run other row counts than a lone sequence does.
+            if getattr(row[1].drafter, "verify_alone", False) or self.adapter.exact:
                 groups.append([row])
             else:
                 shared.append(row)

@@ -158,7 +158,7 @@ def run_bench(args) -> int:
     import selfspec
 
     prompts = load_prompts(args.prompts, args.per_category)
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
     methods = [Method("ar (ours)", "ar")] + _methods(args, model)
     if not args.no_hf:
         methods += hf_methods(args, model)

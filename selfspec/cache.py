@@ -23,10 +23,12 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        # [layer, batch=1, kv_heads, capacity, head_dim]; torch.empty: stale slots are never read.
+        # [layer, batch=1, kv_heads, capacity, head_dim]. Zeros, not empty: the lean step attends over
+        # the whole capacity with a mask, and a masked slot holding NaN would still poison the
+        # weighted sum (0 · NaN); every slot written later holds finite values.
         shape = (n_layers, 1, n_kv_heads, capacity, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
 

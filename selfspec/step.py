@@ -1,0 +1,337 @@
+"""The lean step: one decoder-layer function over fused weights and the static, position-indexed
+cache, run eagerly or compiled once per row bucket and shared by every layer, every drafter's
+layer subset and the verify.
+
+Why: the adapter's general path calls the HF modules one projection at a time and runs attention
+one query row at a time; on a CPU that sits well above the memory floor (the weights streamed
+once). Here a layer is three matrix products over fused weights (QKV, O, gate/up + down), one
+fused norm each, and one attention call over the whole cache with a position mask, so the shapes
+a layer sees depend only on the number of rows, never on the layer, the skip set or the context
+length: `torch.compile` compiles it once per row bucket and reuses the code everywhere.
+
+Weights are not copied: the fused QKV and gate/up tensors are the only storage, and the HF
+modules' own `weight` parameters are re-pointed at views of them, so the HF model, the adapter's
+general path and this step all read the same memory.
+
+Rows are padded to a bucket (1, 2, 4, 8, 16, ...). Padding rows repeat the last real row and write
+their keys and values to the cache's last slot, which no real row ever attends to.
+
+Exactness: a matrix product over n rows need not round a row as the one-row product does (it
+differs on some CPUs), so by default a verify's rows may differ from the AR steps' in the last
+bits. With `exact_rows=E` every forward (AR step, draft, verify) runs the same E-row bucket, so
+every row goes through the same kernels with the same shapes and reduction order whatever the
+CPU or GPU, and greedy self-speculative output is bit-identical to AR by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.quantize import Int8Linear, int8_linear
+
+BUCKETS = (1, 2, 4, 8, 16)
+DECODE_ROWS = BUCKETS[-1]
+SPAN = 64  # attention spans are multiples of this many cache slots  # the most rows a draft or verify forward runs compiled
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def bucket(n: int) -> int:
+    """The padded row count for n <= DECODE_ROWS rows: the smallest bucket that holds them."""
+    return next(b for b in BUCKETS if n <= b)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the layer function specialises on: the same for every layer of a model."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    sandwich: bool  # Gemma 3: norms after attention and MLP too, and (1 + w) norm weights
+    qk_norm: bool  # Qwen3, Gemma 3: per-head RMSNorm on q and k before rotary
+    eps: float
+    act: str
+
+
+@dataclass
+class LayerWeights:
+    """One layer's tensors, all views of (or the same as) the HF modules' own parameters."""
+
+    wqkv: torch.Tensor  # [q + 2·kv, hidden]
+    bqkv: torch.Tensor | None  # [q + 2·kv] (Qwen2) or None
+    wo: torch.Tensor  # [hidden, q]
+    wgu: torch.Tensor  # [2·intermediate, hidden]: gate rows, then up rows
+    wd: torch.Tensor  # [hidden, intermediate]
+    norms: tuple[torch.Tensor, ...]  # input, post-attention (pre-norm) | input, post-attn, pre-ff, post-ff (sandwich)
+    qk_norms: tuple[torch.Tensor, ...]  # (q_norm, k_norm) weights, or ()
+    # int8 weights (selfspec.quantize): per-output-channel scales of wqkv, wo, wgu, wd; else ().
+    scales: tuple[torch.Tensor, ...] = ()
+
+
+def unsupported_reason(adapter) -> str | None:
+    """Why the lean step cannot run this model (None: it can). Such models keep the general path."""
+    if adapter.layout not in ("pre-norm", "sandwich"):
+        return f"layout {adapter.layout}"
+    act = getattr(adapter.config, "hidden_activation", None) or getattr(adapter.config, "hidden_act", None)
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    for layer in adapter.layers:
+        mlp = layer.mlp
+        if not (hasattr(mlp, "down_proj") and (hasattr(mlp, "gate_up_proj") or hasattr(mlp, "gate_proj"))):
+            return "a mixture-of-experts or non-gated MLP"
+        if getattr(mlp.down_proj, "bias", None) is not None or getattr(layer.self_attn.o_proj, "bias", None) is not None:
+            return "biases on the output projections"
+    return None
+
+
+def _share(modules_weights: list[tuple[torch.nn.Module, str]]) -> torch.Tensor:
+    """Concatenate the named parameters of `modules` along dim 0 into one tensor and re-point each
+    module's parameter at its view of it: one storage, no copy left behind."""
+    parts = [getattr(m, name) for m, name in modules_weights]
+    if any(p is None for p in parts):
+        return None
+    fused = torch.cat([p.detach() for p in parts], dim=0)
+    offset = 0
+    for (m, name), p in zip(modules_weights, parts):
+        size = p.shape[0]
+        getattr(m, name).data = fused[offset : offset + size]
+        offset += size
+    return fused
+
+
+def fuse_layer(layer, sandwich: bool) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    quantized = isinstance(attn.o_proj, Int8Linear)
+    scales = ()
+    if hasattr(attn, "qkv_proj"):  # Phi-3: already fused
+        wqkv, bqkv = attn.qkv_proj.weight, attn.qkv_proj.bias
+        sqkv = getattr(attn.qkv_proj, "scale", None)
+    else:
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        wqkv = _share([(p, "weight") for p in projections])
+        bqkv = _share([(p, "bias") for p in projections]) if attn.q_proj.bias is not None else None
+        sqkv = _share([(p, "scale") for p in projections]) if quantized else None
+    if hasattr(mlp, "gate_up_proj"):  # Phi-3: already fused, gate rows first
+        wgu = mlp.gate_up_proj.weight
+        sgu = getattr(mlp.gate_up_proj, "scale", None)
+    else:
+        wgu = _share([(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")])
+        sgu = _share([(mlp.gate_proj, "scale"), (mlp.up_proj, "scale")]) if quantized else None
+    if quantized:
+        scales = (sqkv, attn.o_proj.scale, sgu, mlp.down_proj.scale)
+    if sandwich:
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                 layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+    else:
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    qk = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else ()
+    return LayerWeights(wqkv, bqkv, attn.o_proj.weight, wgu, mlp.down_proj.weight, norms, qk, scales)
+
+
+# -- the layer function: pure tensors in, tensors out (and the cache written in place) ---------
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, sandwich: bool) -> torch.Tensor:
+    """Llama RMSNorm (statistics in float32, weight applied in the input dtype), or Gemma's
+    (1 + w) norm computed in float32 throughout; both as the HF modules compute them."""
+    if sandwich:
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + w.float())).to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first rotary_dim features; x [heads, n, head_dim], cos/sin [n, rot]."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    half = rot // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, bias=None) -> torch.Tensor:
+    """x · wᵀ (+ bias): float weights, or int8 weights with their per-channel scales[i]."""
+    if scales:
+        return int8_linear(x, w, scales[i], bias)
+    return F.linear(x, w, bias)
+
+
+def layer_forward(
+    h: torch.Tensor,  # [n, hidden]
+    pos: torch.Tensor,  # [n] long: each row's cache slot
+    mask: torch.Tensor,  # [n, L] bool: True = may attend; rows attend to the cache's first L slots
+    cos: torch.Tensor,  # [n, rotary_dim]
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [kv_heads, capacity, head_dim], written in place
+    v_cache: torch.Tensor,
+    wqkv, bqkv, wo, wgu, wd,
+    norms: tuple[torch.Tensor, ...],
+    qk_norms: tuple[torch.Tensor, ...],
+    scales: tuple[torch.Tensor, ...],
+    shape: Shape,
+    do_attn: bool,
+    do_mlp: bool,
+) -> torch.Tensor:
+    n = h.shape[0]
+    nh, nkv, hd = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    if do_attn:
+        x = _norm(h, norms[0], shape.eps, shape.sandwich)
+        qkv = _linear(x, wqkv, scales, 0, bqkv)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(n, nh, hd).transpose(0, 1)  # [heads, n, head_dim]
+        k = k.view(n, nkv, hd).transpose(0, 1)
+        v = v.view(n, nkv, hd).transpose(0, 1)
+        if shape.qk_norm:
+            q = _norm(q, qk_norms[0], shape.eps, shape.sandwich)
+            k = _norm(k, qk_norms[1], shape.eps, shape.sandwich)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_cache.index_copy_(1, pos, k)
+        v_cache.index_copy_(1, pos, v)
+        span = mask.shape[1]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k_cache[:, :span].unsqueeze(0), v_cache[:, :span].unsqueeze(0), attn_mask=mask,
+            scale=shape.scale,
+            enable_gqa=nh != nkv,
+        )  # [1, heads, n, head_dim]
+        a = _linear(o[0].transpose(0, 1).reshape(n, nh * hd), wo, scales, 1)
+        if shape.sandwich:
+            a = _norm(a, norms[1], shape.eps, True)
+        h = h + a
+    if do_mlp:
+        x = _norm(h, norms[2] if shape.sandwich else norms[1], shape.eps, shape.sandwich)
+        gate, up = _linear(x, wgu, scales, 2).chunk(2, dim=-1)
+        m = _linear(ACTIVATIONS[shape.act](gate) * up, wd, scales, 3)
+        if shape.sandwich:
+            m = _norm(m, norms[3], shape.eps, True)
+        h = h + m
+    return h
+
+
+# -- compile ---------------------------------------------------------------------------------
+
+def compile_cache_dir() -> str:
+    """Inductor's on-disk cache, under selfspec's cache so that later runs load instead of compile."""
+    from selfspec.loading import cache_root
+
+    path = cache_root() / "inductor"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+_NOTICE = {"said": False}
+FIRST_COMPILE_S = 60  # roughly, for a row bucket on a 2-core CPU (measured: see README)
+
+
+def compiled_layer(device_type: str, backend=None):
+    """`layer_forward` compiled: one graph per row bucket (and per attention/MLP combination),
+    shared by every layer. On CUDA the graphs are captured (mode="reduce-overhead"). backend:
+    another torch.compile backend (tests count compiles with one)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+    # Dynamo keys compiled code by the function, so every model in the process shares these
+    # entries: row buckets × attention/MLP combinations × cache capacities × models.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 256)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+    mode = "reduce-overhead" if device_type == "cuda" else None
+    if backend is not None:
+        return torch.compile(layer_forward, backend=backend, dynamic=None)
+    return torch.compile(layer_forward, mode=mode, dynamic=None)
+
+
+class LeanStep:
+    """Runs layer subsets of a model through `layer_forward` on one sequence's static cache."""
+
+    def __init__(self, adapter, *, compile: bool = False, exact_rows: int | None = None, backend=None):
+        reason = unsupported_reason(adapter)
+        if reason is not None:
+            raise ValueError(f"the lean step does not support this model ({reason})")
+        config = adapter.config
+        sandwich = adapter.layout == "sandwich"
+        norm0 = adapter.layers[0].input_layernorm
+        eps = getattr(norm0, "variance_epsilon", None) or getattr(norm0, "eps", None) or config.rms_norm_eps
+        self.shape = Shape(
+            n_heads=adapter.n_heads, n_kv_heads=adapter.n_kv_heads, head_dim=adapter.head_dim,
+            scale=float(adapter.scale), sandwich=sandwich, qk_norm=hasattr(adapter.layers[0].self_attn, "q_norm"),
+            eps=float(eps),
+            act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None),
+        )
+        self.adapter = adapter
+        self.weights = [fuse_layer(layer, sandwich) for layer in adapter.layers]
+        self.compile = compile
+        self.exact_rows = exact_rows
+        self._fn = compiled_layer(adapter.device.type, backend) if compile else layer_forward
+        self._seen: set[tuple[int, bool, bool]] = set()
+
+    def rows(self, n: int) -> int:
+        """The row bucket n rows run in. More rows than any decode forward has (a prefill) run
+        eagerly, unpadded: AR and speculation prefill alike, so that costs no exactness."""
+        if self.exact_rows is not None:
+            return self.exact_rows if n <= self.exact_rows else n
+        return bucket(n) if self.compile and n <= DECODE_ROWS else n
+
+    def run(self, h: torch.Tensor, layers, start: int, cache, skip) -> torch.Tensor:
+        """h [1, n, hidden] at positions start .. start+n-1 through `layers` (minus skipped
+        sublayers), writing their KV into `cache` (see ModelAdapter.run_layers)."""
+        n = h.shape[1]
+        rows = self.rows(n)
+        x = h[0]
+        slot = cache.capacity - 1  # the scratch slot padding rows write to
+        if start + n > slot:
+            raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
+        pos = torch.arange(start, start + rows, device=x.device)
+        if rows > n:
+            x = torch.cat([x, x[-1:].expand(rows - n, -1)])
+            pos[n:] = slot
+        # Attend to the first `span` slots: all of them in exact mode (a row must see the same
+        # shapes in every forward), else the context rounded up, so that the attention reads what
+        # it needs and compiled code sees few lengths (the length is a dynamic dimension).
+        span = cache.capacity if self.exact_rows is not None else min(cache.capacity, -(-(start + n) // SPAN) * SPAN)
+        kv_pos = torch.arange(span, device=x.device)
+        masks, ropes = {}, {}
+        for i in layers:
+            spec = self.adapter.specs[i]
+            if spec.window not in masks:
+                allowed = kv_pos.view(1, -1) <= pos.view(-1, 1)
+                if spec.window is not None:
+                    allowed &= kv_pos.view(1, -1) > pos.view(-1, 1) - spec.window
+                if self.compile:
+                    torch._dynamo.mark_dynamic(allowed, 1)
+                masks[spec.window] = allowed
+            if spec.rope not in ropes:
+                cos, sin = self.adapter._rope[spec.rope]
+                ropes[spec.rope] = (cos[pos], sin[pos])
+            do_attn, do_mlp = i not in skip.attn, i not in skip.mlp
+            if not (do_attn or do_mlp):
+                continue
+            w = self.weights[i]
+            compiled = self.compile and (rows in BUCKETS or rows == self.exact_rows)
+            if compiled:  # the row count is a bucket: never let dynamo turn it into a dynamic size
+                self._note_compile(rows, do_attn, do_mlp)
+                for t in (x, pos, masks[spec.window], *ropes[spec.rope]):
+                    torch._dynamo.mark_static(t, 0)
+            fn = self._fn if compiled else layer_forward
+            x = fn(
+                x, pos, masks[spec.window], *ropes[spec.rope], cache.keys[i, 0], cache.values[i, 0],
+                w.wqkv, w.bqkv, w.wo, w.wgu, w.wd, w.norms, w.qk_norms, w.scales, self.shape, do_attn, do_mlp,
+            )
+        return x[:n].unsqueeze(0)
+
+    def _note_compile(self, rows: int, do_attn: bool, do_mlp: bool) -> None:
+        """Say once per process, before the first compile, what is happening and for how long."""
+        key = (rows, do_attn, do_mlp)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        if not _NOTICE["said"]:
+            _NOTICE["said"] = True
+            print(f"selfspec: compiling the decode step for this machine (once per row bucket, cached in "
+                  f"{compile_cache_dir()}; the first time ~{FIRST_COMPILE_S} s per bucket on 2 cores)",
+                  file=sys.stderr, flush=True)
