@@ -156,3 +156,17 @@ def test_plots_are_written(tiny, tmp_path):
     assert [p.name for p in paths] == ["alpha_by_layer.png", "speedup_heatmap.png", "predicted_vs_measured.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_auto_without_a_profile_never_runs_an_unmeasured_draft(tiny):
+    """No tune profile: `auto` is plain decoding (nothing measured faster here), says so once per
+    model, and an explicit exit layer still asks for early exit."""
+    model = tiny("llama")
+    model.name = "untuned-tiny-llama"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = model.generate(PROMPT, max_new_tokens=8)
+        second = model.generate(PROMPT, max_new_tokens=8)
+    assert first.stats.method == second.stats.method == "ar"
+    assert sum("no tuned profile" in str(w.message) for w in caught) == 1
+    assert model.generate(PROMPT, max_new_tokens=8, exit_layer=2).stats.method == "early-exit"
