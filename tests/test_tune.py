@@ -138,16 +138,6 @@ def test_tune_checks_the_best_predictions_and_auto_uses_the_profile(tiny, tmp_pa
     assert model.generate(PROMPT, method="auto", profile=str(path), max_new_tokens=12).stats.method == "ar"
 
 
-def test_auto_without_a_profile_falls_back_to_early_exit_and_says_so(tiny):
-    model = tiny("llama")
-    with pytest.warns(UserWarning, match="selfspec tune"):
-        out = model.generate(PROMPT, max_new_tokens=8)  # auto is the default
-    assert out.stats.method == "early-exit"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once per model
-        model.generate(PROMPT, max_new_tokens=8)
-
-
 def test_plots_are_written(tiny, tmp_path):
     model = tiny("llama")
     result = tune(model, [PROMPT], max_new_tokens=12, exit_layers=[3], max_draft_len=2, check=1, repeats=1,
