@@ -22,9 +22,11 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from selfspec.divergence import divergence
 from selfspec.engine import check_length
 from selfspec.hf_reference import hf_generate, reference_configs
 from selfspec.memory import MIB, MemoryUse, peak_memory
+from selfspec.roofline import roofline
 from selfspec.stats import GenerationStats
 
 
@@ -52,16 +54,18 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     identical: int = 0
+    near_ties: int = 0  # runs that differ from AR first where AR's top-2 logits nearly tie (selfspec.divergence)
     runs: int = 0
     stats: GenerationStats | None = None  # merged over the prompts; None for transformers' AR
     peak_bytes: int = 0
     extra_bytes: int = 0  # peak minus what was in use just before the generation
     kv_bytes: int = 0
 
-    def add(self, run: Run, identical: bool, memory: MemoryUse) -> None:
+    def add(self, run: Run, identical: bool, memory: MemoryUse, near_tie: bool = False) -> None:
         self.tokens += len(run.tokens)
         self.seconds += run.seconds
         self.identical += identical
+        self.near_ties += near_tie
         self.runs += 1
         self.peak_bytes = max(self.peak_bytes, memory.peak)
         self.extra_bytes = max(self.extra_bytes, memory.extra)
@@ -89,6 +93,7 @@ class Tally:
             "cost": rounded(stats.cost) if stats else None,
             "search_s": rounded(stats.search_s) if stats and stats.searches else None,
             "identical_to_ar": f"{self.identical}/{self.runs}",
+            "near_ties": self.near_ties,
             "peak_mib": round(self.peak_bytes / MIB, 1),
             "extra_mib": round(self.extra_bytes / MIB, 1),
             "kv_mib": round(self.kv_bytes / MIB, 2),
@@ -177,8 +182,13 @@ def run_bench(args) -> int:
             if m.method == "ar":
                 reference = run.tokens
             same = run.tokens == reference
-            m.total.add(run, same, memory)
-            m.by_category.setdefault(prompt.category, Tally()).add(run, same, memory)
+            near_tie = False
+            if not same:
+                found = divergence(model.adapter, ids, reference, run.tokens)
+                near_tie = found.near_tie
+                tqdm.write(f"{m.label}, {prompt.category}: {found}", file=sys.stderr)
+            m.total.add(run, same, memory, near_tie)
+            m.by_category.setdefault(prompt.category, Tally()).add(run, same, memory, near_tie)
             bar.update()
     bar.close()
 
@@ -310,8 +320,13 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
         c: [row(m, m.by_category[c], ar.by_category[c], hf.by_category[c] if hf else None) for m in methods]
         for c in categories
     }
+    step = model.adapter.step
+    engine = ("lean step, " + ("compiled" if step.compile else "eager") + (", exact" if step.exact_rows else "")
+              if step is not None else "general path")
+    ar_step_s = ar.total.seconds / ar.total.tokens if ar.total.tokens else None
     setup = (
-        f"model {model.name} ({model.n_layers} layers), {args.dtype}, device {args.device}; "
+        f"model {model.name} ({model.n_layers} layers), {args.dtype}, {engine}, device {args.device}; "
+        f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token); "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "
         f"greedy, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}; "
@@ -335,7 +350,8 @@ def _table(rows: list[dict]) -> str:
     cols = [("method", "method"), ("k", "k"), ("gamma", "γ"), ("tokens_per_s", "tok/s"),
             ("speedup_vs_ar", "× our AR"), ("speedup_vs_hf", "× HF"), ("alpha", "α"),
             ("mean_accepted_length", "acc/step"), ("cost", "c"), ("search_s", "search s"),
-            ("peak_mib", "peak MiB"), ("extra_mib", "Δ MiB"), ("kv_mib", "KV MiB"), ("identical_to_ar", "= AR")]
+            ("peak_mib", "peak MiB"), ("extra_mib", "Δ MiB"), ("kv_mib", "KV MiB"), ("identical_to_ar", "= AR"),
+            ("near_ties", "near-tie divergences")]
 
     def cell(v):
         return "–" if v is None else str(v)

@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+import selfspec
+from selfspec.divergence import divergence
+
 pytestmark = pytest.mark.real
 
 PROMPTS = ["Why is the sky blue? Answer in two sentences.", "Write a Python function that reverses a string."]
@@ -114,15 +117,57 @@ def test_bad_arguments_get_clear_errors(smollm2):
         smollm2.generate("hi", method="magic")
 
 
-def test_smollm2_bfloat16_early_exit_equals_bfloat16_ar():
-    """bfloat16 rounds batched attention differently unless the verify runs its rows exactly as
-    AR steps (run_layers rowwise): this prompt diverged before that."""
-    import selfspec
+def _math_prompt():
     from selfspec.bench import load_prompts
 
-    model = selfspec.load("smollm2", dtype="bfloat16", progress=False)
-    prompt = next(p for p in load_prompts(None, 1) if p.category == "math_reasoning").text
-    ids = model.encode(prompt)
+    return next(p for p in load_prompts(None, 1) if p.category == "math_reasoning").text
+
+
+def _same_or_near_tie(model, ids, ar_tokens, out_tokens, label):
+    """Outside exact mode: identical to AR, or the first difference sits where AR's top-2 logits
+    tie within the dtype's rounding (printed either way)."""
+    found = divergence(model.adapter, ids, ar_tokens, out_tokens)
+    if found is not None:
+        print(f"{label}: {found}")
+        assert found.near_tie, f"{label}: {found}"
+
+
+@pytest.mark.parametrize("mode", ["default", "exact"])
+def test_smollm2_bfloat16_drafters_equal_bfloat16_ar(mode):
+    """bfloat16, where a verify's multi-row products may round a row differently from the AR
+    step's one-row product (this prompt diverged at token 15 on an Intel Xeon with AMX before
+    exact mode). Exact mode: identical by construction. Default: identical or a near tie."""
+    model = selfspec.load("smollm2", dtype="bfloat16", progress=False, compile=False, exact=mode == "exact")
+    ids = model.encode(_math_prompt())
     ar = model.generate(ids, method="ar", max_new_tokens=40)
-    for k, gamma in ((10, 3), (28, 3)):
-        assert model.generate(ids, exit_layer=k, draft_len=gamma, max_new_tokens=40).tokens == ar.tokens
+    for options in (dict(exit_layer=10, draft_len=3), dict(exit_layer=28, draft_len=3),
+                    dict(method="lookup", draft_len=4)):
+        out = model.generate(ids, max_new_tokens=40, **options).tokens
+        if mode == "exact":
+            assert out == ar.tokens, options
+        else:
+            _same_or_near_tie(model, ids, ar.tokens, out, options)
+
+
+@pytest.mark.parametrize("name, dtype", [("smollm2", "float32"), ("gemma3", "bfloat16")])
+def test_compiled_step_drafters_equal_ar(name, dtype):
+    """The inductor-compiled lean step on the real models: AR equals the eager lean step's AR up
+    to near ties, and every drafter's output equals the compiled AR's (or a near tie)."""
+    chat = name == "smollm2"
+    model = selfspec.load(name, dtype=dtype, progress=False, compile=True)
+    ids = model.encode(PROMPTS[1] if chat else "def fibonacci(n):", chat=chat)
+    ar = model.generate(ids, method="ar", max_new_tokens=24)
+    k = model.n_layers - 4
+    for options in (dict(exit_layer=k, draft_len=3), dict(method="layer-skip", skip="attn:4-8", draft_len=2),
+                    dict(method="lookup", draft_len=3)):
+        _same_or_near_tie(model, ids, ar.tokens, model.generate(ids, max_new_tokens=24, **options).tokens,
+                          f"{name} {dtype} compiled {options}")
+
+
+def test_int8_smollm2_is_lossless_against_int8_ar():
+    model = selfspec.load("smollm2", dtype="int8", progress=False, compile=False, exact=True)
+    ids = model.encode(PROMPTS[0])
+    ar = model.generate(ids, method="ar", max_new_tokens=24)
+    assert len(ar.tokens) > 5 and ar.text.strip()
+    for options in (dict(exit_layer=22, draft_len=3), dict(method="lookup", draft_len=4)):
+        assert model.generate(ids, max_new_tokens=24, **options).tokens == ar.tokens, options
