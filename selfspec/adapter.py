@@ -128,9 +128,13 @@ class ModelAdapter:
             if self.step.compile:
                 capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         self._ensure_rope(capacity)
-        return KVCache(
-            self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype=self.dtype, device=self.device
-        )
+        cache = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype=self.dtype, device=self.device)
+        if self.step is not None and self.step.compile and self.device.type == "cuda":
+            # CUDA graphs replay fixed addresses: the cache, which every layer writes in place,
+            # is a static input, not one copied in and out of the graph. (Coded; not yet measured.)
+            torch._dynamo.mark_static_address(cache.keys)
+            torch._dynamo.mark_static_address(cache.values)
+        return cache
 
     # -- the three entry points -------------------------------------------------------------
 

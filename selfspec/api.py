@@ -369,11 +369,13 @@ def load(
     progress: bool = True,
     compile: bool | None = None,
     exact: bool = False,
+    lean: bool = True,
 ) -> SelfSpecModel:
     """Load a bundled model by name ("smollm2", the default; "gemma3"), a local Hugging Face
     checkpoint directory or a .gguf file. dtype: float32, bfloat16, float16 or int8 (weight-only,
     bfloat16 activations; see selfspec.quantize). compile: compile the decode step (None: this
-    machine's default, see `default_compile`); exact: every forward in one fixed row bucket."""
+    machine's default, see `default_compile`); exact: every forward in one fixed row bucket; lean:
+    False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path."""
     quantize = dtype == "int8"
     if quantize:
         dtype = ACTIVATION_DTYPE
@@ -386,7 +388,7 @@ def load(
         quantize_int8(loaded.model)
     if compile is None:
         compile = default_compile(device)
-    return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, compile=compile, exact=exact)
+    return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, lean=lean, compile=compile and lean, exact=exact)
 
 
 def default_compile(device: str) -> bool:

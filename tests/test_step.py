@@ -36,7 +36,9 @@ def test_fused_weights_are_the_modules_own_storage():
     layer, weights = model.adapter.layers[0], model.adapter.step.weights[0]
     q = layer.self_attn.q_proj.weight
     assert q.data_ptr() == weights.wqkv.data_ptr()  # a view, not a copy
-    assert layer.mlp.up_proj.weight.data_ptr() == weights.wgu[layer.mlp.gate_proj.out_features:].data_ptr()
+    up = layer.mlp.up_proj.weight
+    assert up.untyped_storage().data_ptr() == weights.wgu.untyped_storage().data_ptr()
+    assert weights.wgu.untyped_storage().nbytes() == 2 * up.numel() * up.element_size()
     with torch.no_grad():
         weights.wqkv[0, 0] = 123.0
     assert q[0, 0] == 123.0

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from selfspec.engine import check_length
+from selfspec.roofline import Roofline, roofline
 from selfspec.tuner.costs import Costs, measure_costs
 from selfspec.tuner.rounds import Rounds, predicted_speedup
 from selfspec.tuner.trace import Trace, replay_early_exit, replay_lookup, trace
@@ -76,6 +77,7 @@ class TuneResult:
     candidates: list[Candidate]
     ar_tokens_per_s: float
     checked: list[Candidate] = field(default_factory=list)
+    roofline: Roofline | None = None  # weight bytes, bandwidth, memory floor against costs.step_s
 
     @property
     def best(self) -> Candidate | None:
@@ -98,6 +100,7 @@ class TuneResult:
             "tuned": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "alpha_by_layer": {str(k): round(a, 3) for k, a in self.lens_agreement.items()},
             "costs": self.costs.to_json(),
+            "roofline": self.roofline.to_json() if self.roofline else None,
             "checked": [c.to_json() for c in self.checked],
             "candidates": [c.to_json() for c in self.candidates],
         }
@@ -169,7 +172,8 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
         if best_of not in checked:
             checked.append(best_of)
     ar_tps = _timed_check(model, encoded, checked, max_new_tokens, ngram, progress)
-    return TuneResult(n_layers, grid, max_draft_len, lens, costs, candidates, ar_tps, checked)
+    line = roofline(model.hf_model, costs.step_s)
+    return TuneResult(n_layers, grid, max_draft_len, lens, costs, candidates, ar_tps, checked, line)
 
 
 def _merged(parts) -> Rounds:
