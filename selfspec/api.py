@@ -29,7 +29,7 @@ from selfspec.tuner.run import SECTION as TUNE_SECTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NOTED_UNTUNED: set[str] = set()  # models whose "no tuned profile" note this process has given
-EXACT_ROWS = 8  # exact mode's one row bucket: drafts of up to 7 tokens
+EXACT_ROWS = 4  # exact mode's one row bucket: drafts of up to 3 tokens (a 4-row product costs ~1.1 one-row ones here)
 # Device type -> compile the decode step unless told otherwise (measured: README, "The lean step").
 COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
 
@@ -73,6 +73,7 @@ class SelfSpecModel:
     lean: bool = True
     compile: bool = False
     exact: bool = False
+    dtype_name: str | None = None  # what `load` was asked for ("int8" runs bfloat16 activations)
     adapter: ModelAdapter = field(init=False)
     # Drafters by their options, kept for the session: adaptive ones (SWIFT) carry what they
     # learned on one prompt over to the next.
@@ -80,6 +81,8 @@ class SelfSpecModel:
 
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
+        if self.dtype_name is None:
+            self.dtype_name = str(self.adapter.dtype).removeprefix("torch.")
         self.identity = ModelIdentity.of(self.hf_model, self.name)
         reason = unsupported_reason(self.adapter)
         if reason is not None and (self.compile or self.exact):
@@ -179,6 +182,8 @@ class SelfSpecModel:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if method == "auto" and drafter is None:
             method, exit_layer, draft_len = self.tuned(profile, exit_layer, draft_len)
+        if self.adapter.exact and draft_len is None and drafter is None:
+            draft_len = EXACT_ROWS - 1  # the most the exact mode's row bucket holds after the pending token
         saved = load_profile(self.identity, profile)
         asked_exit_layer = exit_layer  # before early exit's default: expert-subset's own is the full depth
         if exit_layer is None:
@@ -208,7 +213,8 @@ class SelfSpecModel:
             raise ValueError("stop strings need a tokenizer")
         if self.adapter.exact and drafter.draft_len + 1 > EXACT_ROWS:
             raise ValueError(f"exact mode runs every forward in {EXACT_ROWS} rows: the draft length must be at "
-                             f"most {EXACT_ROWS - 1}, got {drafter.draft_len}")
+                             f"most {EXACT_ROWS - 1}, got {drafter.draft_len} (lower -g, or turn exact mode off: "
+                             f"--no-exact / exact=False)")
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
         return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids)
@@ -260,7 +266,7 @@ class SelfSpecModel:
         exit layer is given, which asks for early exit."""
         section = load_profile(self.identity, profile).get(TUNE_SECTION)
         if not section:
-            if exit_layer is not None:
+            if exit_layer is not None or draft_len is not None:  # knobs of a draft: the user asks for one
                 return "early-exit", exit_layer, draft_len
             if self.name not in _NOTED_UNTUNED:
                 _NOTED_UNTUNED.add(self.name)
@@ -364,31 +370,62 @@ def _find_stop(text: str, stop: list[str], search_from: int) -> int | None:
 def load(
     model: str | None = None,
     *,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     device: str = "cpu",
     progress: bool = True,
     compile: bool | None = None,
-    exact: bool = False,
+    exact: bool | None = None,
     lean: bool = True,
 ) -> SelfSpecModel:
     """Load a bundled model by name ("smollm2", the default; "gemma3"), a local Hugging Face
-    checkpoint directory or a .gguf file. dtype: float32, bfloat16, float16 or int8 (weight-only,
-    bfloat16 activations; see selfspec.quantize). compile: compile the decode step (None: this
-    machine's default, see `default_compile`); exact: every forward in one fixed row bucket; lean:
+    checkpoint directory or a .gguf file.
+
+    dtype: "auto" (bfloat16 where the device computes it natively, else float32; see
+    `default_dtype`), float32, bfloat16, float16 or int8 (weight-only, bfloat16 activations; see
+    selfspec.quantize). compile: compile the decode step (None: `default_compile`). exact: every
+    forward in one fixed row bucket, so greedy output is bit-identical to AR by construction (None:
+    on for bfloat16, where it costs ~4% of a step here, off otherwise; see `default_exact`). lean:
     False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path."""
+    if dtype == "auto":
+        dtype = default_dtype(device)
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     quantize = dtype == "int8"
     if quantize:
         dtype = ACTIVATION_DTYPE
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join([*DTYPES, 'int8'])}")
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join([*DTYPES, 'int8'])}")
         dtype = DTYPES[dtype]
     loaded: LoadedModel = load_hf(model, dtype=dtype, device=device, progress=progress)
     if quantize:
         quantize_int8(loaded.model)
     if compile is None:
         compile = default_compile(device)
-    return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, lean=lean, compile=compile and lean, exact=exact)
+    if exact is None:
+        exact = default_exact(name)
+    model = SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, lean=lean, compile=compile and lean,
+                          exact=exact and lean)
+    model.dtype_name = name
+    return model
+
+
+def default_dtype(device: str = "cpu") -> str:
+    """bfloat16 on CUDA and on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX): there
+    a step reads half the bytes and a verify over up to 4 rows costs about one step (README, "The
+    lean step"); float32 elsewhere, where bfloat16 is emulated and slow."""
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
+def default_exact(dtype: str) -> bool:
+    """Exact mode unless asked otherwise where it is cheap: bfloat16, whose 4-row products cost
+    about one row's on the CPUs measured (README)."""
+    return dtype == "bfloat16"
 
 
 def default_compile(device: str) -> bool:

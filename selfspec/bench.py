@@ -325,7 +325,7 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
               if step is not None else "general path")
     ar_step_s = ar.total.seconds / ar.total.tokens if ar.total.tokens else None
     setup = (
-        f"model {model.name} ({model.n_layers} layers), {args.dtype}, {engine}, device {args.device}; "
+        f"model {model.name} ({model.n_layers} layers), {model.dtype_name}, {engine}, device {args.device}; "
         f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token); "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "

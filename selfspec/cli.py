@@ -20,12 +20,25 @@ MODEL_HELP = (
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help=MODEL_HELP)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations dtype (default float32); lossless is relative to AR in the same dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="weights and activations dtype (default auto: bfloat16 where the CPU computes it natively, "
+                        "AVX512-BF16 or AMX, or on CUDA; else float32); int8: int8 weights with one scale per output "
+                        "channel and bfloat16 activations; lossless is relative to AR in the same dtype")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step with torch.compile, once per row bucket, cached on disk (default: "
+                        "on where measured faster: CUDA; off on CPU)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every forward (AR step, draft, verify) in one fixed 4-row bucket, so that greedy output "
+                        "is bit-identical to AR by construction on any CPU or GPU (draft length <= 3; default: on for "
+                        "bfloat16, where it costs ~4%% of a step, off for float32 and int8)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted checkpoints live (default $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec, "
                         "else ~/.cache/selfspec)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch's ops (default: $SELFSPEC_THREADS, else the cores no other process "
+                        "is keeping busy, sampled for 0.15 s at start; a core another process holds stalls every "
+                        "op at 2+ threads)")
 
 
 METHOD_HELP = (
@@ -304,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "cache_dir", None):
         os.environ["SELFSPEC_CACHE"] = args.cache_dir
     try:
+        if hasattr(args, "threads"):
+            from selfspec.threads import apply_threads
+
+            note = apply_threads(args.threads)
+            if note:
+                print(f"selfspec: {note}", file=sys.stderr)
         if args.command == "generate":
             return _generate(args)
         if args.command == "search":
@@ -341,14 +360,14 @@ def _generate(args) -> int:
         top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
     )
     _check_options(options)
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact, progress=not args.json)
     stream = model.stream(prompt, **options)
     for chunk in stream:
         if not args.json:
             print(chunk.text, end="", flush=True)
     result = stream.result
     if args.json:
-        print(json.dumps({"model": model.name, "dtype": args.dtype, "text": result.text,
+        print(json.dumps({"model": model.name, "dtype": model.dtype_name, "exact": model.exact, "text": result.text,
                           "tokens": result.tokens, "stats": result.stats.to_dict()}))
     else:
         print(flush=True)
@@ -366,7 +385,7 @@ def _serve(args) -> int:
     _check_options(options)
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
     method = args.method
     if method == "auto":
         method, k, g = model.tuned(args.profile, args.exit_layer, args.draft_len)
@@ -449,7 +468,7 @@ def _search(args) -> int:
     if args.iterations < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.draft_len < 1:
         raise ValueError("--iterations, --num-prompts, --max-new-tokens and --draft-len must be >= 1")
     prompts = [p.text for p in load_prompts(args.prompts, 10**9, default="calibration.jsonl")][: args.num_prompts]
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=bool(args.exact), progress=not args.json)
     result = search_skip_set(model, prompts, iterations=args.iterations, max_new_tokens=args.max_new_tokens,
                              draft_len=args.draft_len, threshold=args.threshold, seed=args.seed,
                              progress=not args.json)
@@ -490,7 +509,7 @@ def _calibrate(args) -> int:
                 texts.append(f.read())
         except OSError as err:
             raise FileNotFoundError(f"cannot read --text {path}: {err.strerror}") from None
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact, progress=not args.json)
     result = calibrate(model, prompts, texts=texts, exit_layers=args.exit_layer, max_new_tokens=args.max_new_tokens,
                        steps=args.steps, batch_size=args.batch_size, lr=args.lr, width=args.width,
                        holdout=args.holdout, seed=args.seed, progress=not args.json)
@@ -501,7 +520,7 @@ def _calibrate(args) -> int:
     if args.json:
         print(json.dumps({"model": model.name, **setup, **result.to_json()}))
         return 0
-    print(f"{model.name}, {args.dtype}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens"
+    print(f"{model.name}, {model.dtype_name}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens"
           + (f" + {len(texts)} text file(s)" if texts else "")
           + f"; {result.train_positions} training positions ({result.train_outputs} in outputs, the rest in "
             f"prompts{' and text' if texts else ''}), {result.held_out_positions} held-out output positions; "
@@ -509,6 +528,10 @@ def _calibrate(args) -> int:
     print()
     print(result.table())
     print()
+    print(f"step: {result.roofline.summary()}")
+    v = result.costs.verify[0]
+    print("v(n), a verify over n positions in one-token steps: "
+          + ", ".join(f"v({n}) {v[n]:.2f}" for n in sorted(v)))
     for k, path in sorted(result.paths.items()):
         print(f"adapter k={k}: {path}")
     print(f"profile: {result.profile} (exit-adapter: k={result.best}, used by early exit at that k)")
@@ -535,20 +558,29 @@ def _tune(args) -> int:
     if args.max_new_tokens < 2 or args.check < 0:
         raise ValueError("--max-new-tokens must be >= 2 and --check >= 0")
     prompts = load_prompts(args.prompts, args.per_category, default="calibration.jsonl")
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
+    from selfspec.api import EXACT_ROWS
+
+    if args.exact:  # exact mode's one row bucket holds a pending token and at most 7 drafts
+        args.max_draft_len = min(args.max_draft_len, EXACT_ROWS - 1)
     result = tune(model, [p.text for p in prompts], max_new_tokens=args.max_new_tokens, exit_layers=exit_layers,
                   max_draft_len=args.max_draft_len, lookup=not args.no_lookup, ngram=args.ngram, check=args.check,
                   repeats=args.repeats)
-    setup = dict(dtype=args.dtype, device=str(model.adapter.device.type), machine=machine(), prompts=len(prompts),
+    setup = dict(dtype=model.dtype_name, device=str(model.adapter.device.type), compile=model.compile, exact=model.exact,
+                 machine=machine(), prompts=len(prompts),
                  prompt_source=args.prompts or "bundled calibration set", max_new_tokens=args.max_new_tokens,
                  ngram=args.ngram)
     section = result.profile_section(**setup)
     path = save_section(model.identity, SECTION, section, args.output)
-    print(f"{model.name}, {args.dtype} on {setup['device']}; {len(prompts)} prompts × {args.max_new_tokens} tokens; "
+    print(f"{model.name}, {model.dtype_name} on {setup['device']}; {len(prompts)} prompts × {args.max_new_tokens} tokens; "
           f"{setup['machine']}; AR {result.ar_tokens_per_s:.1f} tok/s; one step {result.costs.step_s * 1e3:.1f} ms")
     print()
     print(result.table())
     print()
+    print(f"step: {result.roofline.summary()}")
+    v = result.costs.verify[0]
+    print("v(n), a verify over n positions in one-token steps: "
+          + ", ".join(f"v({n}) {v[n]:.2f}" for n in sorted(v)))
     best = result.best
     if best is None:
         print("nothing beat plain decoding in the timed check: --method auto will run AR")
@@ -557,7 +589,7 @@ def _tune(args) -> int:
               f"output identical to AR on {best.identical} prompts")
     print(f"profile: {path}")
     if not args.no_plots:
-        for png in write_plots(result, args.plots, f"{model.name}, {args.dtype}, {setup['device']}"):
+        for png in write_plots(result, args.plots, f"{model.name}, {model.dtype_name}, {setup['device']}"):
             print(f"plot: {png}")
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -585,8 +617,12 @@ def _train(args) -> int:
         raise ValueError(f"--out {out} exists and is not an empty directory; choose a new one")
     if args.data is not None and not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data} is not a file")
+    if args.dtype == "int8":
+        raise ValueError("train fine-tunes float weights: use --dtype float32 or bfloat16, not int8")
+    if args.dtype == "auto":  # optimiser state and small updates want float32, whatever decodes fastest
+        args.dtype = "float32"
     exit_layers = [int(k) for entry in (args.exit_layers or []) for k in entry.split(",") if k.strip()]
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, lean=False)
     exit_layers = exit_layers or default_exit_layers(model.n_layers)
     data = prepare(model, args.data, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                    seq_len=args.seq_len, holdout=args.holdout, seed=args.seed)
@@ -601,6 +637,10 @@ def _train(args) -> int:
     print()
     print(result.table())
     print()
+    print(f"step: {result.roofline.summary()}")
+    v = result.costs.verify[0]
+    print("v(n), a verify over n positions in one-token steps: "
+          + ", ".join(f"v({n}) {v[n]:.2f}" for n in sorted(v)))
     print(f"trained {result.seconds:.0f} s ({result.train_tokens} target tokens); checkpoint: {out} "
           f"(serve it with: selfspec generate --model {out})")
     if args.json_out:

@@ -522,7 +522,10 @@ def save(model, out: str | Path, result: Trained | None = None, setup: dict | No
     beside it in selfspec_train.json."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model.hf_model.save_pretrained(out)
+    # The lean step may store a weight as a transposed view of a fused tensor (selfspec.step);
+    # safetensors writes contiguous tensors, so such views are saved as contiguous copies.
+    state = {k: v if v.is_contiguous() else v.contiguous() for k, v in model.hf_model.state_dict().items()}
+    model.hf_model.save_pretrained(out, state_dict=state)
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(out)
     if result is not None:

@@ -30,12 +30,12 @@ def own_profiles(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2():
     """The bundled default model, loaded once per test run (converted once per machine)."""
-    return selfspec.load("smollm2", progress=False)
+    return selfspec.load("smollm2", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")
 def gemma3():
-    return selfspec.load("gemma3", progress=False)
+    return selfspec.load("gemma3", dtype="float32", progress=False)
 
 
 @pytest.fixture

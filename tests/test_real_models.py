@@ -141,7 +141,7 @@ def test_smollm2_bfloat16_drafters_equal_bfloat16_ar(mode):
     ids = model.encode(_math_prompt())
     ar = model.generate(ids, method="ar", max_new_tokens=40)
     for options in (dict(exit_layer=10, draft_len=3), dict(exit_layer=28, draft_len=3),
-                    dict(method="lookup", draft_len=4)):
+                    dict(method="lookup", draft_len=3)):
         out = model.generate(ids, max_new_tokens=40, **options).tokens
         if mode == "exact":
             assert out == ar.tokens, options
@@ -154,7 +154,7 @@ def test_compiled_step_drafters_equal_ar(name, dtype):
     """The inductor-compiled lean step on the real models: AR equals the eager lean step's AR up
     to near ties, and every drafter's output equals the compiled AR's (or a near tie)."""
     chat = name == "smollm2"
-    model = selfspec.load(name, dtype=dtype, progress=False, compile=True)
+    model = selfspec.load(name, dtype=dtype, progress=False, compile=True, exact=False)
     ids = model.encode(PROMPTS[1] if chat else "def fibonacci(n):", chat=chat)
     ar = model.generate(ids, method="ar", max_new_tokens=24)
     k = model.n_layers - 4
@@ -169,5 +169,5 @@ def test_int8_smollm2_is_lossless_against_int8_ar():
     ids = model.encode(PROMPTS[0])
     ar = model.generate(ids, method="ar", max_new_tokens=24)
     assert len(ar.tokens) > 5 and ar.text.strip()
-    for options in (dict(exit_layer=22, draft_len=3), dict(method="lookup", draft_len=4)):
+    for options in (dict(exit_layer=22, draft_len=3), dict(method="lookup", draft_len=3)):
         assert model.generate(ids, max_new_tokens=24, **options).tokens == ar.tokens, options

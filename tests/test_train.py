@@ -110,11 +110,11 @@ def test_training_lowers_the_early_exit_loss_and_saves_a_lossless_checkpoint(tmp
 
     out = save(model, tmp_path / "ckpt", result)
     assert json.loads((out / "selfspec_train.json").read_text())["recipe"]["steps"] == 40
-    loaded = selfspec.load(str(out), progress=False)
+    loaded = selfspec.load(str(out), dtype="float32", progress=False)
     for (name, p), q in zip(model.hf_model.state_dict().items(), loaded.hf_model.state_dict().values()):
         assert torch.equal(p, q), name
     assert loaded.tokenizer("w5 w17")["input_ids"] == [5, 17]
-    assert_greedy_lossless(loaded, method="early-exit", exit_layer=3, draft_len=4)
+    assert_greedy_lossless(loaded, method="early-exit", exit_layer=3, draft_len=3)
 
 
 def test_cli_checks_its_arguments_before_loading(tmp_path, capsys):
