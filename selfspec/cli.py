@@ -360,6 +360,7 @@ def _generate(args) -> int:
         top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
     )
     _check_options(options)
+    _check_model_options(args, options)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact, progress=not args.json)
     stream = model.stream(prompt, **options)
     for chunk in stream:
@@ -383,6 +384,7 @@ def _serve(args) -> int:
 
     options = _speculation(args)
     _check_options(options)
+    _check_model_options(args, options)
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
@@ -404,6 +406,24 @@ def _speculation(args) -> dict:
     names = ("method", "exit_layer", "draft_len", "threshold", "skip", "skip_ratio", "every", "ngram", "profile",
              "exit_adapter", "draft_vocab", "experts")
     return {name: getattr(args, name) for name in names}
+
+
+def _check_model_options(args, options: dict) -> None:
+    """Checks that need the model's shape or the engine mode, before the model loads: the exit
+    layer against the layer count in the config on disk, and exact mode's draft-length limit."""
+    from selfspec.api import EXACT_ROWS, default_dtype, default_exact
+    from selfspec.loading import peek_layers
+
+    k = options.get("exit_layer")
+    n_layers = peek_layers(args.model, args.cache_dir)
+    if k is not None and n_layers is not None and k > n_layers:
+        raise ValueError(f"exit layer must be in 1..{n_layers} for this model, got {k}")
+    dtype = default_dtype(args.device) if args.dtype == "auto" else args.dtype
+    exact = default_exact(dtype) if args.exact is None else args.exact
+    g = options.get("draft_len")
+    if exact and g is not None and g > EXACT_ROWS - 1:
+        raise ValueError(f"exact mode (the default for {dtype}) runs every forward in {EXACT_ROWS} rows: the draft "
+                         f"length must be at most {EXACT_ROWS - 1}, got {g} (lower -g, or add --no-exact)")
 
 
 def _check_options(options: dict) -> None:

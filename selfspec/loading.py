@@ -106,6 +106,20 @@ def _bundled(name: str) -> BundledModel | None:
     return None
 
 
+def peek_layers(name_or_path: str | None, cache: Path | None = None) -> int | None:
+    """The model's layer count from a config already on disk (a converted bundled model or a
+    checkpoint directory), without loading anything; None when there is none yet."""
+    name_or_path = name_or_path or DEFAULT_MODEL
+    bundled = _bundled(name_or_path)
+    root = (Path(cache) if cache is not None else cache_root()) / bundled.name if bundled else Path(name_or_path)
+    try:
+        import json
+
+        return int(json.loads((root / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def resolve_checkpoint(
     name_or_path: str | None = None, *, cache: Path | None = None, progress: bool = True
 ) -> Path:

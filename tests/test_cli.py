@@ -84,3 +84,15 @@ def test_bench_runs_named_drafters(tmp_path):
     assert all(row["identical_to_ar"] == "1/1" for row in rows)
     bad = selfspec("bench", "--prompts", str(prompts), "--method", "magic")
     assert bad.returncode == 2 and "unknown method" in bad.stderr
+
+
+def test_exit_layer_and_exact_draft_length_are_checked_before_the_model_loads(tmp_path):
+    """The layer count comes from the checkpoint's config on disk; no model is loaded (this
+    checkpoint has no tokenizer, so a load would fail with another message)."""
+    from tiny_models import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    out = selfspec("generate", "hi", "--model", str(tmp_path), "-k", "99")
+    assert out.returncode == 2 and "exit layer must be in 1..6 for this model, got 99" in out.stderr
+    out = selfspec("generate", "hi", "--model", str(tmp_path), "--dtype", "bfloat16", "-g", "5")
+    assert out.returncode == 2 and "draft length must be at most 3" in out.stderr and "--no-exact" in out.stderr
