@@ -93,7 +93,10 @@ class Decoding:
         check_length(adapter, self.prompt_ids.numel(), max_new_tokens)
         self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
         self.max_draft = drafter.draft_len if max_draft is None else max_draft
-        self.cache = adapter.new_cache(self.prompt_ids.numel() + max_new_tokens + max(self.max_draft, headroom) + 1)
+        # Exact mode: the same capacity for every method (AR included), since attention spans the
+        # whole cache there and the CPU attention kernel rounds by the span's length.
+        reserve = adapter.step.exact_rows if adapter.exact else max(self.max_draft, headroom)
+        self.cache = adapter.new_cache(self.prompt_ids.numel() + max_new_tokens + reserve + 1)
         stats.kv_cache_bytes = self.cache.nbytes
         stats.prompt_tokens = self.prompt_ids.numel()
         self.generator = make_generator(sampling.seed, adapter.device)

@@ -311,9 +311,11 @@ class LeanStep:
         if rows > n:
             x = torch.cat([x, x[-1:].expand(rows - n, -1)])
             pos[n:] = slot
-        # Attend to the first `span` slots: all of them in exact mode (a row must see the same
-        # shapes in every forward), else the context rounded up, so that the attention reads what
-        # it needs and compiled code sees few lengths (the length is a dynamic dimension).
+        # Attend to the first `span` slots: all of them in exact mode (CPU attention kernels round
+        # a row differently for different key lengths, even with the extra keys masked, so a row
+        # must see one length in every forward: the cache's capacity, which exact mode makes the
+        # same for every method), else the context rounded up, so that the attention reads what it
+        # needs and compiled code sees few lengths (the length is a dynamic dimension).
         span = cache.capacity if self.exact_rows is not None else min(cache.capacity, -(-(start + n) // SPAN) * SPAN)
         kv_pos = torch.arange(span, device=x.device)
         masks, ropes = {}, {}

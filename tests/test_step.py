@@ -150,3 +150,12 @@ def test_int8_weights(arch):
     assert (lean.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
     for options in DRAFTERS:
         assert_greedy_lossless(model, **options)
+
+
+def test_exact_mode_gives_every_method_the_same_cache():
+    """Attention spans the whole cache in exact mode, and CPU attention kernels round by the
+    span's length: AR and every drafter must get the same capacity for the same request."""
+    model = SelfSpecModel(tiny_model("llama"), exact=True)
+    sizes = {model.generate(PROMPT, max_new_tokens=20, **options).stats.kv_cache_bytes
+             for options in (dict(method="ar"), *DRAFTERS[:1], dict(method="lookup", draft_len=1))}
+    assert len(sizes) == 1
