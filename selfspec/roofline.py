@@ -39,7 +39,7 @@ class Roofline:
         return text
 
 
-def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+def measure_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
     """Bytes per second of a streamed read (a sum over a buffer far larger than the caches), with
     torch's current thread count; the best of `repeats`, as a step's weights stream best-case."""
     buffer = torch.ones(megabytes * 2**20 // 4)

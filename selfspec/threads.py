@@ -2,8 +2,10 @@
 
 Each CPU op ends at an OpenMP barrier that waits for its slowest thread. When another process holds
 a core, the OS deschedules one of our threads for a whole time slice and every op stalls behind it:
-on 2 cores with one busy neighbour, plain decoding ran 2.5-30× slower at 2 threads than at 1. So we
-sample how busy each usable core is for a moment before loading, and use only the free ones.
+on 2 cores with one busy neighbour, plain decoding ran 2.6× slower at 2 threads than at 1 here (28×
+on a user's machine). So we sample how busy each usable core is for a moment before loading, and use
+only the free ones. (OMP_WAIT_POLICY=PASSIVE also rescues 2 threads under contention, but costs ~5%
+when idle, so it is left to the user; see README, "Shared CPUs: threads".)
 
 Order of precedence: `--threads N`, then $SELFSPEC_THREADS, then $OMP_NUM_THREADS (torch already
 obeys it; we leave it be), then the cores found free.
@@ -114,8 +116,8 @@ def choose_threads(requested: int | None) -> tuple[int, str]:
 
 
 def apply_threads(requested: int | None) -> str | None:
-    """Set torch's thread count; returns a one-line description when it differs from torch's own
-    default (all cores), else None, so callers print only what a user would not expect."""
+    """Set torch's thread count; returns a one-line description when that changes torch's current
+    count (at start, its default: all cores), else None, so callers print only the unexpected."""
     default = torch.get_num_threads()
     threads, why = choose_threads(requested)
     torch.set_num_threads(threads)
