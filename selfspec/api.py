@@ -384,7 +384,7 @@ def load(
     `default_dtype`), float32, bfloat16, float16 or int8 (weight-only, bfloat16 activations; see
     selfspec.quantize). compile: compile the decode step (None: `default_compile`). exact: every
     forward in one fixed row bucket, so greedy output is bit-identical to AR by construction (None:
-    on for bfloat16, where it costs ~4% of a step here, off otherwise; see `default_exact`). lean:
+    on for bfloat16, where it costs 4-10% of a step here, off otherwise; see `default_exact`). lean:
     False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path."""
     if dtype == "auto":
         dtype = default_dtype(device)

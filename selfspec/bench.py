@@ -109,6 +109,7 @@ class Method:
     hf_kwargs: dict = field(default_factory=dict)  # "hf": extra generate() arguments; none is its AR
     draft_vocab: int | None = None  # early exit's pruned draft head size (--draft-vocab); None: the full head
     experts: int | None = None  # expert-subset's routed experts per token per MoE layer (--experts)
+    engine: object | None = None  # "llamacpp": the LlamaCpp instance that runs it
     total: Tally = field(default_factory=Tally)
     by_category: dict[str, Tally] = field(default_factory=dict)
 
@@ -167,6 +168,12 @@ def run_bench(args) -> int:
     methods = [Method("ar (ours)", "ar")] + _methods(args, model)
     if not args.no_hf:
         methods += hf_methods(args, model)
+    if getattr(args, "llamacpp", False):
+        from selfspec.llamacpp_reference import LlamaCpp, gguf_path
+
+        engine = LlamaCpp(gguf_path(args.model), threads=torch.get_num_threads())
+        methods.append(Method(f"llama.cpp, same GGUF, plain greedy ({engine.threads} threads)", "llamacpp",
+                              engine=engine))
     encoded = [model.encode(p.text) for p in prompts]
     n = args.max_new_tokens
     for ids in encoded:
@@ -183,7 +190,7 @@ def run_bench(args) -> int:
                 reference = run.tokens
             same = run.tokens == reference
             near_tie = False
-            if not same:
+            if not same and m.method != "llamacpp":  # llama.cpp runs the quantized model: its own tokens
                 found = divergence(model.adapter, ids, reference, run.tokens)
                 near_tie = found.near_tie
                 tqdm.write(f"{m.label}, {prompt.category}: {found}", file=sys.stderr)
@@ -297,6 +304,9 @@ def _run(model, m: Method, ids: torch.Tensor, n: int) -> Run:
     """One greedy generation of `m`, at most `n` new tokens."""
     if m.method == "hf":
         return Run(*hf_generate(model, ids, n, m.hf_kwargs))
+    if m.method == "llamacpp":
+        tokens, seconds = m.engine.generate(ids, n, model.eos_ids)
+        return Run(tokens, seconds, None, 0)
     result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
                             draft_vocab=m.draft_vocab, experts=m.experts, max_new_tokens=n)
     return Run(result.tokens, result.stats.wall_s, result.stats, result.stats.kv_cache_bytes)

@@ -30,7 +30,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="run every forward (AR step, draft, verify) in one fixed 4-row bucket, so that greedy output "
                         "is bit-identical to AR by construction on any CPU or GPU (draft length <= 3; default: on for "
-                        "bfloat16, where it costs ~4%% of a step, off for float32 and int8)")
+                        "bfloat16, where it costs 4-10%% of a step here, off for float32 and int8)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted checkpoints live (default $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec, "
@@ -183,6 +183,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--experts", type=int, action="append", default=None, metavar="N",
                    help="expert-subset's routed experts per token per MoE layer, repeatable (default 1; "
                         "mixture-of-experts models only, which `--method all` then includes)")
+    b.add_argument("--llamacpp", action="store_true",
+                   help="add llama.cpp's plain greedy decoding of the same GGUF at the same thread count (needs "
+                        "llama-cpp-python, which builds from source: ~8 minutes on 2 cores)")
     b.add_argument("--no-hf", action="store_true",
                    help="skip the transformers generate() references (AR, early exit, prompt lookup)")
     b.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON to this file")

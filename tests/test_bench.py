@@ -117,3 +117,24 @@ def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
     assert [(m.exit_layer, m.draft_len) for m in methods(["early-exit"], [5], [1])] == [(5, 1)]  # asked wins
     save_section(model.identity, "tune", {"method": "lookup", "exit_layer": None, "draft_len": 6})
     assert methods(["all"])[0].label == "auto (tuned: lookup γ=6)"
+
+
+def test_llamacpp_reference_finds_the_gguf_and_says_how_to_install(monkeypatch):
+    import builtins
+
+    from selfspec.llamacpp_reference import LlamaCpp, gguf_path
+
+    path = gguf_path("smollm2")
+    assert path.suffix == ".gguf" and path.is_file()
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        gguf_path("/some/hf-checkpoint-dir")
+    real_import = builtins.__import__
+
+    def no_llama_cpp(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ImportError("no llama_cpp here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    with pytest.raises(ModuleNotFoundError, match="pip install llama-cpp-python"):
+        LlamaCpp(path, threads=1)
