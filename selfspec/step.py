@@ -247,7 +247,7 @@ def compile_cache_dir() -> str:
 
 
 _NOTICE = {"said": False}
-FIRST_COMPILE_S = 60  # roughly, for a row bucket on a 2-core CPU (measured: see README)
+FIRST_COMPILE_S = 15  # roughly, for SmolLM2's row buckets on a 2-core CPU (3-12 s measured: README)
 
 
 def compiled_layer(device_type: str, backend=None):
@@ -355,6 +355,6 @@ class LeanStep:
         self._seen.add(key)
         if not _NOTICE["said"]:
             _NOTICE["said"] = True
-            print(f"selfspec: compiling the decode step for this machine (once per row bucket, cached in "
-                  f"{compile_cache_dir()}; the first time ~{FIRST_COMPILE_S} s per bucket on 2 cores)",
+            print(f"selfspec: compiling the decode step for this machine, once (cached in {compile_cache_dir()}; "
+                  f"up to ~{FIRST_COMPILE_S} s the first time on 2 cores, a few seconds later)",
                   file=sys.stderr, flush=True)
