@@ -175,3 +175,14 @@ def test_int8_smollm2_is_lossless_against_int8_ar():
     assert len(ar.tokens) > 5 and ar.text.strip()
     for options in (dict(exit_layer=22, draft_len=3), dict(method="lookup", draft_len=3)):
         assert model.generate(ids, max_new_tokens=24, **options).tokens == ar.tokens, options
+
+
+def test_gemma3_default_bfloat16_exact_drafters_equal_ar():
+    """Gemma 3 as `selfspec generate --model gemma3` runs it on a bf16-capable CPU: bfloat16, exact
+    mode (sliding windows, per-layer rope, tied 262k head): every drafter identical to AR."""
+    model = selfspec.load("gemma3", dtype="bfloat16", progress=False, exact=True)
+    ids = model.encode("The capital of France is Paris. The capital of Italy is Rome. The capital of", chat=False)
+    ar = model.generate(ids, method="ar", max_new_tokens=24)
+    for options in (dict(exit_layer=12, draft_len=3), dict(method="lookup", draft_len=3),
+                    dict(method="layer-skip", skip="attn:4-8", draft_len=2)):
+        assert model.generate(ids, max_new_tokens=24, **options).tokens == ar.tokens, options
