@@ -326,7 +326,7 @@ class LeanStep:
                 if spec.window is not None:
                     allowed &= kv_pos.view(1, -1) > pos.view(-1, 1) - spec.window
                 if self.compile:
-                    torch._dynamo.mark_dynamic(allowed, 1)
+                    torch._dynamo.maybe_mark_dynamic(allowed, 1)  # exact mode: the span is the whole cache
                 masks[spec.window] = allowed
             if spec.rope not in ropes:
                 cos, sin = self.adapter._rope[spec.rope]

@@ -45,11 +45,12 @@ def test_fused_weights_are_the_modules_own_storage():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", ["eager", "compiled", "exact"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "exact", "exact-compiled"])
 def test_lean_step_matches_transformers_and_is_lossless(arch, mode):
     # "compiled" uses dynamo with the eager backend here: the same graphs, guards and padding,
     # without inductor's compile time (inductor itself: the llama test below and real models).
-    lean = {"eager": {}, "compiled": dict(compile=True, backend="eager"), "exact": dict(exact_rows=EXACT_ROWS)}[mode]
+    lean = {"eager": {}, "compiled": dict(compile=True, backend="eager"), "exact": dict(exact_rows=EXACT_ROWS),
+            "exact-compiled": dict(compile=True, backend="eager", exact_rows=EXACT_ROWS)}[mode]
     model = _model(arch, **lean)
     assert_adapter_matches_transformers(model.hf_model, model.adapter)
     for options in DRAFTERS:
