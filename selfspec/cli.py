@@ -584,7 +584,7 @@ def _tune(args) -> int:
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
     from selfspec.api import EXACT_ROWS
 
-    if args.exact:  # exact mode's one row bucket holds a pending token and at most 7 drafts
+    if model.exact:  # exact mode's one row bucket holds a pending token and at most 3 drafts
         args.max_draft_len = min(args.max_draft_len, EXACT_ROWS - 1)
     result = tune(model, [p.text for p in prompts], max_new_tokens=args.max_new_tokens, exit_layers=exit_layers,
                   max_draft_len=args.max_draft_len, lookup=not args.no_lookup, ngram=args.ngram, check=args.check,
