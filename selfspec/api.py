@@ -19,7 +19,7 @@ from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import check_length, decode
 from selfspec.exit_adapter import adapter_exit_layer
 from selfspec.loading import LoadedModel, load_hf
-from selfspec.profiles import ModelIdentity, load_profile
+from selfspec.profiles import ModelIdentity, load_profile, shipped_choice
 from selfspec.quantize import ACTIVATION_DTYPE, quantize_int8
 from selfspec.sampling import SamplingParams
 from selfspec.skips import SkipSet
@@ -261,13 +261,23 @@ class SelfSpecModel:
     def tuned(self, profile: str | None = None, exit_layer: int | None = None,
               draft_len: int | None = None) -> tuple[str, int | None, int | None]:
         """What method="auto" runs: (method, k, γ) from the profile's "tune" section, with the
-        k and γ given here taking precedence. Without one: plain decoding (AR), never a configuration
-        nobody measured here (untrained early exit runs 0.4-0.8x AR on the bundled models), unless an
-        exit layer is given, which asks for early exit."""
+        k and γ given here taking precedence. Without one: the choice shipped for this model and
+        dtype where one was measured faster than AR (selfspec/data/shipped_profiles.json), else plain
+        decoding (AR), never an unmeasured configuration (untrained early exit runs 0.4-0.8x AR on
+        the bundled models); an exit layer or draft length given asks for early exit."""
         section = load_profile(self.identity, profile).get(TUNE_SECTION)
         if not section:
             if exit_layer is not None or draft_len is not None:  # knobs of a draft: the user asks for one
                 return "early-exit", exit_layer, draft_len
+            shipped = shipped_choice(self.identity, self.dtype_name)
+            if shipped is not None:
+                if self.name not in _NOTED_UNTUNED:
+                    _NOTED_UNTUNED.add(self.name)
+                    warnings.warn(f"{self.name} has no tuned profile on this machine: --method auto runs the shipped "
+                                  f"choice for {self.dtype_name}, {shipped['method']} γ={shipped['draft_len']} "
+                                  f"(measured {shipped['measured']}); `selfspec tune` re-checks it here",
+                                  stacklevel=4)
+                return shipped["method"], shipped["exit_layer"], shipped["draft_len"]
             if self.name not in _NOTED_UNTUNED:
                 _NOTED_UNTUNED.add(self.name)
                 warnings.warn(f"{self.name} has no tuned profile on this machine: --method auto runs plain decoding; "

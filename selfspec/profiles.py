@@ -92,3 +92,12 @@ def save_section(identity: ModelIdentity, section: str, content: dict, path: str
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def shipped_choice(identity: ModelIdentity, dtype: str | None) -> dict | None:
+    """The configuration shipped in selfspec/data/shipped_profiles.json for this model and dtype
+    (method, exit_layer, draft_len, measured), or None: what `auto` runs before any tune here."""
+    from importlib import resources
+
+    table = json.loads(resources.files("selfspec").joinpath("data/shipped_profiles.json").read_text())
+    return table.get(identity.slug(), {}).get(dtype or "")

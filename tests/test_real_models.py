@@ -186,3 +186,14 @@ def test_gemma3_default_bfloat16_exact_drafters_equal_ar():
     for options in (dict(exit_layer=12, draft_len=3), dict(method="lookup", draft_len=3),
                     dict(method="layer-skip", skip="attn:4-8", draft_len=2)):
         assert model.generate(ids, max_new_tokens=24, **options).tokens == ar.tokens, options
+
+
+def test_shipped_choice_matches_the_bundled_model_as_loaded():
+    """The shipped profile is keyed by the identity the bundled model has when loaded: a change to
+    the conversion (config hash) must not silently drop it."""
+    from selfspec.profiles import shipped_choice
+
+    model = selfspec.load("smollm2", dtype="bfloat16", progress=False)
+    assert shipped_choice(model.identity, model.dtype_name) is not None
+    out = model.generate(PROMPTS[0], max_new_tokens=16)  # auto, no profile here: the shipped choice
+    assert out.stats.method == "lookup"

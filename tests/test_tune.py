@@ -160,3 +160,28 @@ def test_auto_without_a_profile_never_runs_an_unmeasured_draft(tiny):
     assert first.stats.method == second.stats.method == "ar"
     assert sum("no tuned profile" in str(w.message) for w in caught) == 1
     assert model.generate(PROMPT, max_new_tokens=8, exit_layer=2).stats.method == "early-exit"
+
+
+def test_auto_uses_the_shipped_choice_only_for_its_dtype(tiny, monkeypatch):
+    """A shipped choice (selfspec/data/shipped_profiles.json) is what `auto` runs before any tune,
+    for the dtype it was measured in; other dtypes run plain decoding."""
+    import selfspec.api
+
+    model = tiny("llama")
+    model.name = "shipped-tiny-llama"
+    choice = {"method": "lookup", "exit_layer": None, "draft_len": 2, "measured": "a test"}
+    monkeypatch.setattr(selfspec.api, "shipped_choice", lambda identity, dtype: choice if dtype == "float32" else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(REPETITIVE, max_new_tokens=8)
+    assert (out.stats.method, out.stats.draft_len) == ("lookup", 2)
+    assert any("shipped choice for float32" in str(w.message) for w in caught)
+    model.dtype_name = "bfloat16"
+    assert model.generate(REPETITIVE, max_new_tokens=8).stats.method == "ar"
+
+
+def test_the_shipped_file_names_the_bundled_model():
+    from selfspec.profiles import ModelIdentity, shipped_choice
+
+    assert shipped_choice(ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5"), "bfloat16")["method"] == "lookup"
+    assert shipped_choice(ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5"), "float32") is None
