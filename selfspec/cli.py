@@ -551,10 +551,6 @@ def _calibrate(args) -> int:
     print()
     print(result.table())
     print()
-    print(f"step: {result.roofline.summary()}")
-    v = result.costs.verify[0]
-    print("v(n), a verify over n positions in one-token steps: "
-          + ", ".join(f"v({n}) {v[n]:.2f}" for n in sorted(v)))
     for k, path in sorted(result.paths.items()):
         print(f"adapter k={k}: {path}")
     print(f"profile: {result.profile} (exit-adapter: k={result.best}, used by early exit at that k)")
@@ -660,10 +656,6 @@ def _train(args) -> int:
     print()
     print(result.table())
     print()
-    print(f"step: {result.roofline.summary()}")
-    v = result.costs.verify[0]
-    print("v(n), a verify over n positions in one-token steps: "
-          + ", ".join(f"v({n}) {v[n]:.2f}" for n in sorted(v)))
     print(f"trained {result.seconds:.0f} s ({result.train_tokens} target tokens); checkpoint: {out} "
           f"(serve it with: selfspec generate --model {out})")
     if args.json_out:

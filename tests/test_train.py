@@ -130,3 +130,23 @@ def test_cli_checks_its_arguments_before_loading(tmp_path, capsys):
     for flag in ("--data", "--out", "--steps", "--lr", "--batch-size", "--seq-len", "--p-max", "--curriculum",
                  "--rotation", "--exit-layers", "--seed"):
         assert flag in help_text
+
+
+def test_cli_train_and_calibrate_run_to_the_end_on_a_tiny_checkpoint(tmp_path, capsys):
+    """Both commands print their report and exit 0 (a report line once read fields their results
+    do not have)."""
+    ckpt = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    rng = random.Random(0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": words(rng, 80)}) + "\n" for _ in range(6)))
+    assert main(["train", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--data", str(data), "--steps", "2",
+                 "--batch-size", "2", "--seq-len", "16", "-k", "2", "-n", "4"]) == 0
+    assert "trained" in capsys.readouterr().out
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": words(rng, 6)}) + "\n" for _ in range(4)))
+    assert main(["calibrate", "--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", "4", "-n", "6",
+                 "-k", "2", "--steps", "2", "--batch-size", "8", "--output", str(tmp_path / "cal"),
+                 "--holdout", "0.25"]) == 0
+    assert "adapter k=2" in capsys.readouterr().out
