@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from selfspec.cache import KVCache
 from selfspec.moe import routed
 from selfspec.skips import SkipSet
-from selfspec.step import LeanStep
+from selfspec.step import LeanStep, pad_rows
 
 NO_SKIP = SkipSet()
 CAPACITY_STEP = 512  # the lean step's cache capacities are multiples of this
@@ -208,9 +208,8 @@ class ModelAdapter:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden states [1, n, hidden] -> logits [n, vocab] in float32."""
         n = h.shape[1]
-        if self.step is not None and self.step.exact_rows is not None and n < self.step.exact_rows:
-            # Exact mode: the head runs the same bucket of rows as every layer (see selfspec.step).
-            h = torch.cat([h, h[:, -1:].expand(-1, self.step.exact_rows - n, -1)], dim=1)
+        if self.exact:  # the head runs the same bucket of rows as every layer (see selfspec.step)
+            h = pad_rows(h, self.step.exact_rows, dim=1)
         return self.head_rows(h)[0, :n]
 
     def head_rows(self, h: torch.Tensor) -> torch.Tensor:

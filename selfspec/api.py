@@ -211,10 +211,8 @@ class SelfSpecModel:
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if self.adapter.exact and drafter.draft_len + 1 > EXACT_ROWS:
-            raise ValueError(f"exact mode runs every forward in {EXACT_ROWS} rows: the draft length must be at "
-                             f"most {EXACT_ROWS - 1}, got {drafter.draft_len} (lower -g, or turn exact mode off: "
-                             f"--no-exact / exact=False)")
+        if self.adapter.exact:
+            check_exact_draft(drafter.draft_len)
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
         return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids)
@@ -270,19 +268,16 @@ class SelfSpecModel:
             if exit_layer is not None or draft_len is not None:  # knobs of a draft: the user asks for one
                 return "early-exit", exit_layer, draft_len
             shipped = shipped_choice(self.identity, self.dtype_name)
-            if shipped is not None:
-                if self.name not in _NOTED_UNTUNED:
-                    _NOTED_UNTUNED.add(self.name)
-                    warnings.warn(f"{self.name} has no tuned profile on this machine: --method auto runs the shipped "
-                                  f"choice for {self.dtype_name}, {shipped['method']} γ={shipped['draft_len']} "
-                                  f"(measured {shipped['measured']}); `selfspec tune` re-checks it here",
-                                  stacklevel=4)
-                return shipped["method"], shipped["exit_layer"], shipped["draft_len"]
+            choice = ("plain decoding" if shipped is None else
+                      f"the shipped choice for {self.dtype_name}, {shipped['method']} γ={shipped['draft_len']} "
+                      f"(measured {shipped['measured']})")
             if self.name not in _NOTED_UNTUNED:
                 _NOTED_UNTUNED.add(self.name)
-                warnings.warn(f"{self.name} has no tuned profile on this machine: --method auto runs plain decoding; "
+                warnings.warn(f"{self.name} has no tuned profile on this machine: --method auto runs {choice}; "
                               f"`selfspec tune` measures which speculation is faster here", stacklevel=4)
-            return "ar", None, None
+            if shipped is None:
+                return "ar", None, None
+            return shipped["method"], shipped["exit_layer"], shipped["draft_len"]
         k = exit_layer if exit_layer is not None else section.get("exit_layer")
         g = draft_len if draft_len is not None else section.get("draft_len")
         return section["method"], k, g
@@ -413,10 +408,15 @@ def load(
         compile = default_compile(device)
     if exact is None:
         exact = default_exact(name)
-    model = SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, lean=lean, compile=compile and lean,
-                          exact=exact and lean)
-    model.dtype_name = name
-    return model
+    return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, lean=lean, compile=compile and lean,
+                         exact=exact and lean, dtype_name=name)
+
+
+def check_exact_draft(draft_len: int) -> None:
+    """Exact mode's one row bucket holds the pending token and at most EXACT_ROWS - 1 drafts."""
+    if draft_len + 1 > EXACT_ROWS:
+        raise ValueError(f"exact mode runs every forward in {EXACT_ROWS} rows: the draft length must be at most "
+                         f"{EXACT_ROWS - 1}, got {draft_len} (lower -g, or turn exact mode off: --no-exact / exact=False)")
 
 
 def default_dtype(device: str = "cpu") -> str:

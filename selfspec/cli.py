@@ -351,7 +351,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args) -> int:
-    import selfspec
 
     prompt = args.prompt
     if prompt is None or prompt == "-":
@@ -364,7 +363,7 @@ def _generate(args) -> int:
     )
     _check_options(options)
     _check_model_options(args, options)
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact, progress=not args.json)
+    model = _load(args, progress=not args.json)
     stream = model.stream(prompt, **options)
     for chunk in stream:
         if not args.json:
@@ -382,7 +381,6 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     import uvicorn
 
-    import selfspec
     from selfspec.server import create_app
 
     options = _speculation(args)
@@ -390,7 +388,7 @@ def _serve(args) -> int:
     _check_model_options(args, options)
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
+    model = _load(args)
     method = args.method
     if method == "auto":
         method, k, g = model.tuned(args.profile, args.exit_layer, args.draft_len)
@@ -411,10 +409,18 @@ def _speculation(args) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
+def _load(args, **overrides):
+    """The model named by the shared model options (`_model_options`); `overrides` win."""
+    import selfspec
+
+    options = dict(dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
+    return selfspec.load(args.model, **{**options, **overrides})
+
+
 def _check_model_options(args, options: dict) -> None:
     """Checks that need the model's shape or the engine mode, before the model loads: the exit
     layer against the layer count in the config on disk, and exact mode's draft-length limit."""
-    from selfspec.api import EXACT_ROWS, default_dtype, default_exact
+    from selfspec.api import check_exact_draft, default_dtype, default_exact
     from selfspec.loading import peek_layers
 
     k = options.get("exit_layer")
@@ -423,10 +429,8 @@ def _check_model_options(args, options: dict) -> None:
         raise ValueError(f"exit layer must be in 1..{n_layers} for this model, got {k}")
     dtype = default_dtype(args.device) if args.dtype == "auto" else args.dtype
     exact = default_exact(dtype) if args.exact is None else args.exact
-    g = options.get("draft_len")
-    if exact and g is not None and g > EXACT_ROWS - 1:
-        raise ValueError(f"exact mode (the default for {dtype}) runs every forward in {EXACT_ROWS} rows: the draft "
-                         f"length must be at most {EXACT_ROWS - 1}, got {g} (lower -g, or add --no-exact)")
+    if exact and options.get("draft_len") is not None:
+        check_exact_draft(options["draft_len"])
 
 
 def _check_options(options: dict) -> None:
@@ -482,7 +486,6 @@ def _calc(args) -> int:
 
 
 def _search(args) -> int:
-    import selfspec
     from selfspec.bench import load_prompts
     from selfspec.drafters.layer_skip import SECTION
     from selfspec.profiles import save_section
@@ -491,7 +494,7 @@ def _search(args) -> int:
     if args.iterations < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.draft_len < 1:
         raise ValueError("--iterations, --num-prompts, --max-new-tokens and --draft-len must be >= 1")
     prompts = [p.text for p in load_prompts(args.prompts, 10**9, default="calibration.jsonl")][: args.num_prompts]
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=bool(args.exact), progress=not args.json)
+    model = _load(args, exact=bool(args.exact), progress=not args.json)
     result = search_skip_set(model, prompts, iterations=args.iterations, max_new_tokens=args.max_new_tokens,
                              draft_len=args.draft_len, threshold=args.threshold, seed=args.seed,
                              progress=not args.json)
@@ -511,7 +514,6 @@ def _search(args) -> int:
 
 
 def _calibrate(args) -> int:
-    import selfspec
     from selfspec.bench import load_prompts
     from selfspec.calibrate import calibrate, save
 
@@ -532,7 +534,7 @@ def _calibrate(args) -> int:
                 texts.append(f.read())
         except OSError as err:
             raise FileNotFoundError(f"cannot read --text {path}: {err.strerror}") from None
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact, progress=not args.json)
+    model = _load(args, progress=not args.json)
     result = calibrate(model, prompts, texts=texts, exit_layers=args.exit_layer, max_new_tokens=args.max_new_tokens,
                        steps=args.steps, batch_size=args.batch_size, lr=args.lr, width=args.width,
                        holdout=args.holdout, seed=args.seed, progress=not args.json)
@@ -564,7 +566,6 @@ def _calibrate(args) -> int:
 
 
 def _tune(args) -> int:
-    import selfspec
     from selfspec.bench import load_prompts, machine
     from selfspec.profiles import save_section
     from selfspec.tuner import SECTION, tune
@@ -577,7 +578,7 @@ def _tune(args) -> int:
     if args.max_new_tokens < 2 or args.check < 0:
         raise ValueError("--max-new-tokens must be >= 2 and --check >= 0")
     prompts = load_prompts(args.prompts, args.per_category, default="calibration.jsonl")
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
+    model = _load(args)
     from selfspec.api import EXACT_ROWS
 
     if model.exact:  # exact mode's one row bucket holds a pending token and at most 3 drafts
@@ -619,7 +620,6 @@ def _tune(args) -> int:
 def _train(args) -> int:
     from pathlib import Path
 
-    import selfspec
     from selfspec.train import Recipe, default_exit_layers, prepare, save, train
 
     recipe = Recipe(steps=args.steps, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -641,7 +641,7 @@ def _train(args) -> int:
     if args.dtype == "auto":  # optimiser state and small updates want float32, whatever decodes fastest
         args.dtype = "float32"
     exit_layers = [int(k) for entry in (args.exit_layers or []) for k in entry.split(",") if k.strip()]
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, lean=False)
+    model = _load(args, lean=False)
     exit_layers = exit_layers or default_exit_layers(model.n_layers)
     data = prepare(model, args.data, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                    seq_len=args.seq_len, holdout=args.holdout, seed=args.seed)

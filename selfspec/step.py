@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,16 @@ BUCKETS = (1, 2, 4, 8, 16)
 DECODE_ROWS = BUCKETS[-1]
 SPAN = 64  # attention spans are multiples of this many cache slots  # the most rows a draft or verify forward runs compiled
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def pad_rows(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
+    """x with copies of its last row (along `dim`) appended up to `rows`: finite padding that
+    rounds like a real row and whose results are dropped."""
+    n = x.shape[dim]
+    if rows <= n:
+        return x
+    last = x.narrow(dim, n - 1, 1)
+    return torch.cat([x, last.expand(*[rows - n if d == dim else -1 for d in range(x.dim())])], dim=dim)
 
 
 def bucket(n: int) -> int:
@@ -301,16 +310,17 @@ class LeanStep:
     def run(self, h: torch.Tensor, layers, start: int, cache, skip) -> torch.Tensor:
         """h [1, n, hidden] at positions start .. start+n-1 through `layers` (minus skipped
         sublayers), writing their KV into `cache` (see ModelAdapter.run_layers)."""
+        layers = list(layers)
+        if not layers:  # early exit's draft runs no layer after its exit: nothing to pad or mask
+            return h
         n = h.shape[1]
         rows = self.rows(n)
-        x = h[0]
         slot = cache.capacity - 1  # the scratch slot padding rows write to
         if start + n > slot:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
+        x = pad_rows(h[0], rows)
         pos = torch.arange(start, start + rows, device=x.device)
-        if rows > n:
-            x = torch.cat([x, x[-1:].expand(rows - n, -1)])
-            pos[n:] = slot
+        pos[n:] = slot
         # Attend to the first `span` slots: all of them in exact mode (CPU attention kernels round
         # a row differently for different key lengths, even with the extra keys masked, so a row
         # must see one length in every forward: the cache's capacity, which exact mode makes the
