@@ -328,6 +328,11 @@ class LeanStep:
         # needs and compiled code sees few lengths (the length is a dynamic dimension).
         span = cache.capacity if self.exact_rows is not None else min(cache.capacity, -(-(start + n) // SPAN) * SPAN)
         kv_pos = torch.arange(span, device=x.device)
+        # The row count is a bucket: never let dynamo turn it into a dynamic size (each tensor
+        # that carries the rows is marked static once, the hidden state after every layer).
+        compiled = self.compile and (rows in BUCKETS or rows == self.exact_rows)
+        static = torch._dynamo.mark_static if compiled else (lambda t, dim: None)
+        static(pos, 0)
         masks, ropes = {}, {}
         for i in layers:
             spec = self.adapter.specs[i]
@@ -335,23 +340,23 @@ class LeanStep:
                 allowed = kv_pos.view(1, -1) <= pos.view(-1, 1)
                 if spec.window is not None:
                     allowed &= kv_pos.view(1, -1) > pos.view(-1, 1) - spec.window
-                if self.compile:
+                static(allowed, 0)
+                if compiled:
                     torch._dynamo.maybe_mark_dynamic(allowed, 1)  # exact mode: the span is the whole cache
                 masks[spec.window] = allowed
             if spec.rope not in ropes:
                 cos, sin = self.adapter._rope[spec.rope]
                 ropes[spec.rope] = (cos[pos], sin[pos])
+                static(ropes[spec.rope][0], 0)
+                static(ropes[spec.rope][1], 0)
             do_attn, do_mlp = i not in skip.attn, i not in skip.mlp
             if not (do_attn or do_mlp):
                 continue
             w = self.weights[i]
-            compiled = self.compile and (rows in BUCKETS or rows == self.exact_rows)
-            if compiled:  # the row count is a bucket: never let dynamo turn it into a dynamic size
+            if compiled:
                 self._note_compile(rows, do_attn, do_mlp)
-                for t in (x, pos, masks[spec.window], *ropes[spec.rope]):
-                    torch._dynamo.mark_static(t, 0)
-            fn = self._fn if compiled else layer_forward
-            x = fn(
+                static(x, 0)
+            x = (self._fn if compiled else layer_forward)(
                 x, pos, masks[spec.window], *ropes[spec.rope], cache.keys[i, 0], cache.values[i, 0],
                 w.wqkv, w.bqkv, w.wo, w.wgu, w.wd, w.norms, w.qk_norms, w.scales, self.shape, do_attn, do_mlp,
             )
