@@ -1,4 +1,8 @@
-"""End-to-end on the bundled real models: a few prompts, short outputs, to keep CI fast."""
+"""End-to-end on the bundled real models: a few prompts, short outputs, to keep CI fast.
+
+Outside exact mode greedy identity holds up to near ties (multi-row products round differently
+from one-row ones on some CPUs), so those tests accept a first difference only where AR's top-2
+logits tie within the dtype's rounding and print it; exact-mode tests demand identity."""
 
 import pytest
 import torch
@@ -19,15 +23,24 @@ def hf_greedy(model, ids, n):
     return tokens[: next((i for i, t in enumerate(tokens) if t in model.eos_ids), len(tokens))]
 
 
+def _same_or_near_tie(model, ids, ar_tokens, out_tokens, label):
+    """Outside exact mode: identical to AR, or the first difference sits where AR's top-2 logits
+    tie within the dtype's rounding (printed either way)."""
+    found = divergence(model.adapter, ids, ar_tokens, out_tokens)
+    if found is not None:
+        print(f"{label}: {found}")
+        assert found.near_tie, f"{label}: {found}"
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_smollm2_early_exit_is_lossless(smollm2, prompt):
     ids = smollm2.encode(prompt)
     ar = smollm2.generate(ids, method="ar", max_new_tokens=24)
-    assert ar.tokens == hf_greedy(smollm2, ids, 24)
+    _same_or_near_tie(smollm2, ids, ar.tokens, hf_greedy(smollm2, ids, 24), "transformers' AR")
     for k, gamma in ((4, 3), (22, 4), (28, 2)):
         out = smollm2.generate(ids, exit_layer=k, draft_len=gamma, max_new_tokens=24)
-        assert out.tokens == ar.tokens, (k, gamma)
-        assert out.text == ar.text
+        _same_or_near_tie(smollm2, ids, ar.tokens, out.tokens, (k, gamma))
+        assert out.tokens != ar.tokens or out.text == ar.text
 
 
 SUMMARY = ("Summarize in one sentence: The city council met on Tuesday to discuss the new bicycle lanes. "
@@ -48,7 +61,7 @@ def test_smollm2_every_drafter_is_lossless(smollm2, method, options):
         ids = smollm2.encode(prompt)
         ar = smollm2.generate(ids, method="ar", max_new_tokens=32)
         out = smollm2.generate(ids, method=method, max_new_tokens=32, **options)
-        assert out.tokens == ar.tokens, (method, prompt)
+        _same_or_near_tie(smollm2, ids, ar.tokens, out.tokens, (method, prompt))
         assert out.stats.method == method
 
 
@@ -56,16 +69,17 @@ def test_smollm2_every_drafter_is_lossless(smollm2, method, options):
 def test_gemma3_drafters_are_lossless(gemma3, method):
     ids = gemma3.encode("The capital of France is Paris. The capital of Italy is", chat=False)
     ar = gemma3.generate(ids, method="ar", max_new_tokens=16)
-    assert gemma3.generate(ids, method=method, max_new_tokens=16).tokens == ar.tokens
+    _same_or_near_tie(gemma3, ids, ar.tokens, gemma3.generate(ids, method=method, max_new_tokens=16).tokens, method)
 
 
 def test_gemma3_early_exit_is_lossless(gemma3):
     assert gemma3.n_layers == 18
     ids = gemma3.encode("The capital of France is", chat=False)
     ar = gemma3.generate(ids, method="ar", max_new_tokens=16)
-    assert ar.tokens == hf_greedy(gemma3, ids, 16)
+    _same_or_near_tie(gemma3, ids, ar.tokens, hf_greedy(gemma3, ids, 16), "transformers' AR")
     for k, gamma in ((3, 3), (12, 4)):
-        assert gemma3.generate(ids, exit_layer=k, draft_len=gamma, max_new_tokens=16).tokens == ar.tokens
+        out = gemma3.generate(ids, exit_layer=k, draft_len=gamma, max_new_tokens=16).tokens
+        _same_or_near_tie(gemma3, ids, ar.tokens, out, (k, gamma))
 
 
 def test_smollm2_full_depth_draft_accepts_everything(smollm2):
@@ -121,15 +135,6 @@ def _math_prompt():
     from selfspec.bench import load_prompts
 
     return next(p for p in load_prompts(None, 1) if p.category == "math_reasoning").text
-
-
-def _same_or_near_tie(model, ids, ar_tokens, out_tokens, label):
-    """Outside exact mode: identical to AR, or the first difference sits where AR's top-2 logits
-    tie within the dtype's rounding (printed either way)."""
-    found = divergence(model.adapter, ids, ar_tokens, out_tokens)
-    if found is not None:
-        print(f"{label}: {found}")
-        assert found.near_tie, f"{label}: {found}"
 
 
 @pytest.mark.parametrize("mode", ["default", "exact"])
