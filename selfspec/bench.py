@@ -114,10 +114,22 @@ class Method:
     by_category: dict[str, Tally] = field(default_factory=dict)
 
 
-def load_prompts(path: str | None, per_category: int, default: str = "spec_bench_subset.jsonl") -> list[Prompt]:
+BENCH_SET = "spec_bench_subset.jsonl"
+# Bundled prompt sets by name (--prompts NAME): the benchmark's file, and the held-out file that
+# tune, search and calibrate use instead, so nothing is tuned on the prompts it is measured on.
+# "chat" names the default Spec-Bench sets.
+PROMPT_SETS = {"code": ("code_bench.jsonl", "code_calibration.jsonl")}
+
+
+def load_prompts(path: str | None, per_category: int, default: str = BENCH_SET) -> list[Prompt]:
     """Prompts from a Spec-Bench style JSONL file (rows with "turns", or "prompt"/"text", and an
-    optional "category"), a plain text file (one prompt per line), or a bundled set; the first
-    `per_category` of each category."""
+    optional "category"), a plain text file (one prompt per line), or a bundled set (by name, or
+    `default` when path is None); the first `per_category` of each category."""
+    if path == "chat":
+        path = None
+    elif path in PROMPT_SETS:
+        bench_file, held_out = PROMPT_SETS[path]
+        path, default = None, bench_file if default == BENCH_SET else held_out
     if path is None:
         text, path = resources.files("selfspec").joinpath(f"data/{default}").read_text(), None
     else:

@@ -149,7 +149,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _model_options(s)
     s.add_argument("--prompts", default=None,
                    help="calibration prompts: JSONL (turns or prompt per row) or text (one per line); default: the "
-                        "bundled calibration set (Spec-Bench questions not in the benchmark subset)")
+                        "bundled calibration set (Spec-Bench questions not in the benchmark subset); 'code': the "
+                        "bundled held-out code prompts")
     s.add_argument("--num-prompts", type=int, default=2, help="calibration prompts to use (default 2)")
     s.add_argument("--max-new-tokens", "-n", type=int, default=32, help="tokens per prompt per trial (default 32)")
     s.add_argument("--iterations", type=int, default=40, help="skip sets to measure (default 40; ~10 s each here)")
@@ -172,7 +173,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         f"from: {', '.join(m for m in METHODS if m != 'ar')}")
     b.add_argument("--prompts", default=None,
                    help="Spec-Bench style JSONL (question_id, category, turns); default: the bundled subset "
-                        "(first 5 per category group)")
+                        "(first 5 per category group); 'code': the bundled code prompts (function stubs and "
+                        "coding tasks, 4 per category)")
     b.add_argument("--per-category", type=int, default=1, help="first N prompts of each category (default 1)")
     b.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens per prompt (default 64)")
     b.add_argument("--exit-layer", "-k", type=int, action="append", default=None,
@@ -213,7 +215,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _model_options(cal)
     cal.add_argument("--prompts", default=None,
                      help="JSONL (Spec-Bench style: turns or prompt per row) or text (one prompt per line); default: "
-                          "the bundled training set (Spec-Bench questions outside the benchmark and tune sets)")
+                          "the bundled training set (Spec-Bench questions outside the benchmark and tune sets); "
+                          "'code': the bundled held-out code prompts")
     cal.add_argument("--num-prompts", type=int, default=120, help="first N prompts of the file (default 120)")
     cal.add_argument("--text", action="append", default=[], metavar="FILE",
                      help="plain text to train on as well, in windows of 256 tokens (repeatable; training only)")
@@ -244,7 +247,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _model_options(t)
     t.add_argument("--prompts", default=None,
                    help="JSONL (Spec-Bench style) or text file, one prompt per line; default: the bundled calibration "
-                        "set (Spec-Bench questions that are not in the benchmark subset)")
+                        "set (Spec-Bench questions that are not in the benchmark subset); 'code': the bundled "
+                        "held-out code prompts (none of them in `bench --prompts code`)")
     t.add_argument("--per-category", type=int, default=1, help="first N prompts of each category (default 1)")
     t.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens per prompt (default 64)")
     t.add_argument("--exit-layer", "-k", action="append", default=None,

