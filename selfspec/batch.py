@@ -48,10 +48,17 @@ class Request:
     eos_ids: frozenset[int] = frozenset()
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_s: float = field(default_factory=time.perf_counter)
+    # Wall time from submission after which the request ends as if it reached max_new_tokens (a
+    # server's guard against a row held forever); None: no limit.
+    time_limit_s: float | None = None
+    timed_out: bool = False  # it ended at time_limit_s
 
     def cancel(self) -> None:
         """Free this request's row at the next step boundary (a client went away)."""
         self.cancelled.set()
+
+    def overdue(self, now: float) -> bool:
+        return self.time_limit_s is not None and now - self.submitted_s >= self.time_limit_s
 
 
 @dataclass
@@ -61,6 +68,7 @@ class Totals:
     requests: int = 0
     failed: int = 0
     cancelled: int = 0
+    timed_out: int = 0
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0
@@ -91,6 +99,12 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self.waiting)
 
+    def oldest_active_s(self) -> float:
+        """Seconds since the longest-running active request was submitted; 0 when none is active.
+        Read from other threads (/metrics): at worst one step stale."""
+        submitted = [r.submitted_s for r, _ in self.active]
+        return time.perf_counter() - min(submitted) if submitted else 0.0
+
     def submit(self, request: Request) -> None:
         """Queue a request; it joins the batch at a step boundary when a row is free."""
         with self._lock:
@@ -104,7 +118,7 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> bool:
         """One scheduler step; False when there was nothing to do."""
-        self._drop_cancelled()
+        self._drop_ended()
         self._admit()
         if not self.active:
             return False
@@ -155,16 +169,18 @@ class Scheduler:
                         self._wake.wait(timeout=0.05)
 
     def close(self) -> None:
-        """Refuse new requests and end every waiting and active one with an error."""
+        """Refuse new requests and cancel every waiting and active one; a client still listening
+        is told why by the error its `on_done` receives."""
         with self._lock:
             self._closed = True
             waiting, self.waiting = list(self.waiting), collections.deque()
-        for request in waiting:
-            request.on_done(RuntimeError("the server is shutting down"))
-        for request, seq in self.active:
+        active, self.active = self.active, []
+        for _, seq in active:
             seq.done = True
-            request.on_done(RuntimeError("the server is shutting down"))
-        self.active = []
+            seq.stop_clock()
+        for request in waiting + [r for r, _ in active]:
+            request.cancel()
+            self._finish(request, RuntimeError("the server is shutting down"), cancelled=True)
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -174,8 +190,8 @@ class Scheduler:
                 if not self.waiting:
                     return
                 request = self.waiting.popleft()
-            if request.cancelled.is_set():
-                self._finish(request, None, cancelled=True)
+            if request.cancelled.is_set() or request.overdue(time.perf_counter()):
+                self._finish_early(request)
                 continue
             seq = self._guard(request, None, self._prefill, request)
             if seq is not None:
@@ -204,17 +220,27 @@ class Scheduler:
             self.active = [(r, s) for r, s in self.active if r is not request]
             return None
 
-    def _drop_cancelled(self) -> None:
+    def _drop_ended(self) -> None:
+        """End rows and waiting requests that were cancelled or ran past their time limit."""
+        now = time.perf_counter()
         for request, seq in self.active:
             if request.cancelled.is_set():
                 seq.done = True
+            elif not seq.done and request.overdue(now):
+                request.timed_out = seq.done = True
         self._retire()  # before admission, so a waiting request takes the freed row this step
         with self._lock:
-            gone = [r for r in self.waiting if r.cancelled.is_set()]
+            gone = [r for r in self.waiting if r.cancelled.is_set() or r.overdue(now)]
             for r in gone:
                 self.waiting.remove(r)
         for r in gone:
-            self._finish(r, None, cancelled=True)
+            self._finish_early(r)
+
+    def _finish_early(self, request: Request) -> None:
+        """A request that leaves before its first token: cancelled, or out of time while waiting."""
+        cancelled = request.cancelled.is_set()
+        request.timed_out = not cancelled
+        self._finish(request, None, cancelled=cancelled)
 
     def _retire(self) -> None:
         keep = []
@@ -229,8 +255,9 @@ class Scheduler:
     def _finish(self, request: Request, error: BaseException | None, cancelled: bool = False) -> None:
         t, s = self.totals, request.stats
         t.requests += 1
-        t.failed += error is not None
+        t.failed += error is not None and not cancelled  # a cancelled request's error only says why
         t.cancelled += cancelled
+        t.timed_out += request.timed_out
         for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "draft_s", "prefill_s"):
             setattr(t, name, getattr(t, name) + getattr(s, name))
         request.on_done(error)

@@ -139,6 +139,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     sv.add_argument("--max-queue", type=int, default=32,
                     help="requests waiting for a free row before the server answers 503 (default 32)")
+    sv.add_argument("--max-request-seconds", type=float, default=600,
+                    help="wall time from a request's arrival after which it ends with finish_reason 'length' "
+                         "and frees its row (default 600; 0: no limit)")
+    sv.add_argument("--drain-seconds", type=float, default=5,
+                    help="on SIGTERM or Ctrl-C, seconds that active requests may run on before they are "
+                         "cancelled and the server exits (default 5)")
     _speculation_options(sv)
 
     s = sub.add_parser("search", help="find the layer-skip set for this model (Bayesian optimisation)",
@@ -385,24 +391,28 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     import uvicorn
 
-    from selfspec.server import create_app
+    from selfspec.server import create_app, log_config
 
     options = _speculation(args)
     _check_options(options)
     _check_model_options(args, options)
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
+    if args.max_request_seconds < 0 or args.drain_seconds < 0:
+        raise ValueError("--max-request-seconds and --drain-seconds must be >= 0")
     model = _load(args)
     method = args.method
     if method == "auto":
         method, k, g = model.tuned(args.profile, args.exit_layer, args.draft_len)
         method += "".join(f" {name}={v}" for name, v in (("k", k), ("γ", g)) if v is not None)
     app = create_app(model, max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
-                     options=options, served_name=args.name)
+                     options=options, served_name=args.name, max_request_seconds=args.max_request_seconds or None)
     name = args.name or model.name
     print(f"selfspec: serving {name!r} on http://{args.host}:{args.port}/v1 (speculation: {method}; batch "
           f"{args.max_batch}, queue {args.max_queue}{'; API key required' if args.api_key else ''})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # uvicorn waits for open requests on SIGTERM; the timeout bounds that wait, then cancels them.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=log_config(),
+                timeout_graceful_shutdown=args.drain_seconds)
     return 0
 
 

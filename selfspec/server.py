@@ -5,14 +5,18 @@ thread decodes every active request together (selfspec.batch). Its callbacks han
 tokens back to the loop, where they are detokenized, cut at stop strings and sent, as one JSON
 response or as server-sent events. All tokenizer use stays on the loop's thread (HF fast
 tokenizers are not safe to share between threads). A client that goes away cancels its request,
-which frees its row at the next step; a full queue answers 503 with Retry-After.
+which frees its row at the next step, and so does the server's wall-time limit per request; a full
+queue answers 503 with Retry-After. Every request that got a row leaves one line in the access log
+(logger `selfspec.access`) when its row is freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
+import logging
 import secrets
 import threading
 import time
@@ -20,16 +24,19 @@ import time
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from selfspec import metrics
 from selfspec.api import Detokenizer, SelfSpecModel
 from selfspec.batch import QueueFull, Request, Scheduler
 from selfspec.openai_schema import ChatRequest, CompletionRequest, Reply, error_body
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (OpenAI's own default is the context's room)
+DEFAULT_MAX_REQUEST_S = 600.0  # generous: SmolLM2's 2048-token context on 2 busy cores takes minutes
 RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.25
+access_log = logging.getLogger("selfspec.access")
 
 
 class ApiError(Exception):
@@ -43,13 +50,19 @@ class Server:
     """The model, its scheduler and the thread that runs it; what the routes share."""
 
     def __init__(self, model: SelfSpecModel, *, max_batch: int = 8, max_queue: int = 32,
-                 api_key: str | None = None, options: dict | None = None, served_name: str | None = None):
+                 api_key: str | None = None, options: dict | None = None, served_name: str | None = None,
+                 max_request_seconds: float | None = DEFAULT_MAX_REQUEST_S, peers=None):
+        """max_request_seconds: wall time from arrival after which a request ends with finish_reason
+        "length" (None: no limit). peers: where replicas pool their /metrics (selfspec.replicas.Peers);
+        None for a lone server."""
         self.model = model
         self.name = served_name or model.name
         self.scheduler = Scheduler(model.adapter, max_batch=max_batch, max_queue=max_queue)
         self.api_key = api_key or None
         self.options = {k: v for k, v in (options or {}).items() if v is not None}
         self.rejected = {"queue_full": 0, "invalid": 0}
+        self.max_request_seconds = max_request_seconds
+        self.peers = peers
         self.started = int(time.time())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,6 +121,7 @@ class Server:
             raise ApiError(400, str(error), param="max_tokens" if "max_new_tokens" in str(error) else None)
         job.max_tokens = limit
         request = prepared.request(job.on_tokens, job.on_done)
+        request.time_limit_s = self.max_request_seconds
         job.request = request
         try:
             self.scheduler.submit(request)
@@ -117,16 +131,27 @@ class Server:
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         return request
 
+    def finished(self, job: Job) -> None:
+        """A request's row was freed (event loop): log it and share the new figures."""
+        stats = job.request.stats
+        alpha = "-" if stats.alpha is None else f"{stats.alpha:.3f}"
+        access_log.info("%s %s prompt=%d completion=%d method=%s alpha=%s seconds=%.2f finish=%s", job.id,
+                        job.route, stats.prompt_tokens, stats.new_tokens, stats.method, alpha,
+                        time.perf_counter() - job.request.submitted_s, job.outcome)
+        if self.peers is not None:
+            self.peers.publish(metrics.snapshot(self))
+
 
 class Job:
     """One request's bridge from the scheduler's thread to the event loop."""
 
     _END = object()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stop: list[str]):
-        self.loop = loop
+    def __init__(self, server: Server, route: str, reply: Reply, stop: list[str]):
+        self.server, self.route, self.id = server, route, reply.id
+        self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.text = Detokenizer(tokenizer, stop)
+        self.text = Detokenizer(server.model.tokenizer, stop)
         self.error: BaseException | None = None
         self.max_tokens = 0
         self.request: Request | None = None
@@ -139,10 +164,15 @@ class Job:
     def on_done(self, error: BaseException | None) -> None:
         self.error = error
         self._put(self._END)
+        # Logged from here, not where the response ends: a client that left has no response.
+        self._call(self.server.finished, self)
 
     def _put(self, item) -> None:
+        self._call(self.queue.put_nowait, item)
+
+    def _call(self, fn, *args) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(fn, *args)
 
     # Event loop.
     async def deltas(self):
@@ -164,9 +194,20 @@ class Job:
 
     @property
     def finish_reason(self) -> str:
+        """OpenAI's: "length" at max_tokens or the server's time limit, else "stop" (EOS or a stop string)."""
         if self.text.stopped:
             return "stop"
-        return "length" if len(self.text.tokens) >= self.max_tokens else "stop"
+        if self.request.timed_out:
+            return "length"
+        return "length" if self.request.stats.new_tokens >= self.max_tokens else "stop"
+
+    @property
+    def outcome(self) -> str:
+        """How the request ended, for the access log: the finish reason, "cancelled" (client gone or
+        server shutting down) or "error"."""
+        if self.request.cancelled.is_set() and not self.text.stopped:
+            return "cancelled"
+        return "error" if self.error is not None else self.finish_reason
 
 
 def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
@@ -176,8 +217,13 @@ def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.start()
+        sharing = asyncio.create_task(server.peers.run(lambda: metrics.snapshot(server))) if server.peers else None
         yield
+        if sharing is not None:
+            sharing.cancel()
         server.stop()
+        if server.peers is not None:
+            server.peers.publish(metrics.snapshot(server))  # its last figures stay in the totals
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
     app.state.server = server
@@ -198,14 +244,8 @@ def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
         return JSONResponse(error_body(str(error.detail), "invalid_request_error" if error.status_code < 500
                                        else "server_error"), status_code=error.status_code, headers=error.headers)
 
-    @app.middleware("http")
-    async def _auth(request: HttpRequest, call_next):
-        if server.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                               code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    if server.api_key:
+        app.add_middleware(_ApiKey, key=server.api_key)
 
     @app.get("/health")
     async def health():
@@ -225,50 +265,66 @@ def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
     async def completions(body: CompletionRequest, http: HttpRequest):
         return await _complete(server, body, http, chat=False)
 
-    registry = CollectorRegistry()
-    registry.register(_Metrics(server))
-
     @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus():
+        own = metrics.snapshot(server)
+        snapshots = {None: own} if server.peers is None else await server.peers.gather(own)
+        return Response(metrics.render(snapshots), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _ApiKey:
+    """Refuses every route but /health without 'Authorization: Bearer KEY'. Plain ASGI rather than
+    @app.middleware("http"), whose wrapping of `receive` hides a client's disconnect from the route."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                                  code="invalid_api_key"), status_code=401)
+                return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def log_config() -> dict:
+    """uvicorn's logging configuration with the access log added: its lines on stderr as uvicorn's."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"][access_log.name] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
 
 
 async def _complete(server: Server, body, http: HttpRequest, chat: bool):
     server.check(body)
     ids = server.encode(body)
-    job = Job(asyncio.get_running_loop(), server.model.tokenizer, body.stop)
-    request = server.submit(body, ids, job)
     reply = Reply(chat, server.name)
+    job = Job(server, http.url.path, reply, body.stop)
+    request = server.submit(body, ids, job)
     if body.stream:
         return StreamingResponse(_events(job, request, reply, body), media_type="text/event-stream")
+    watch = asyncio.create_task(_cancel_when_gone(http, request))
     try:
-        text = "".join([delta async for delta in _until_disconnect(job, http)])
+        text = "".join([delta async for delta in job.deltas()])
     finally:
-        request.cancel()  # a no-op once finished; frees the row if the client left
+        watch.cancel()
+        request.cancel()  # a no-op once finished; frees the row if this task was cancelled
     if job.error is not None:
         raise ApiError(500, f"generation failed: {job.error}", type_="server_error")
     return reply.complete(text, job.finish_reason, request.stats)
 
 
-async def _until_disconnect(job: Job, http: HttpRequest):
-    """The job's deltas; stops early if the client disconnects while waiting."""
-    deltas = job.deltas().__aiter__()
-    while True:
-        next_delta = asyncio.ensure_future(deltas.__anext__())
-        while True:
-            done, _ = await asyncio.wait({next_delta}, timeout=0.25)
-            if done:
-                break
-            if await http.is_disconnected():
-                next_delta.cancel()
-                job.request.cancel()
-                return
-        try:
-            yield next_delta.result()
-        except StopAsyncIteration:
-            return
+async def _cancel_when_gone(http: HttpRequest, request: Request) -> None:
+    """Cancels a non-streamed request whose client disconnects (its row is freed at the next step,
+    which ends the response). Polled on its own, not between tokens: tokens may never pause."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    request.cancel()
 
 
 async def _events(job: Job, request: Request, reply: Reply, body):
@@ -311,45 +367,7 @@ def _describe(errors) -> str:
 
 
 def _param(errors) -> str | None:
+    if errors and errors[0].get("type") == "json_invalid":
+        return None  # its location is a character offset in the body, not a parameter
     locs = [x for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
     return ".".join(str(x) for x in locs) or None
-
-
-class _Metrics:
-    """Prometheus collector reading the scheduler's counters at scrape time."""
-
-    def __init__(self, server: Server):
-        self.server = server
-
-    def collect(self):
-        s, t = self.server.scheduler, self.server.scheduler.totals
-
-        def counter(name, doc, value):
-            return CounterMetricFamily(f"selfspec_{name}", doc, value=value)
-
-        def gauge(name, doc, value):
-            return GaugeMetricFamily(f"selfspec_{name}", doc, value=value)
-
-        yield counter("requests", "Requests finished (including failed and cancelled)", t.requests)
-        yield counter("requests_failed", "Requests that ended with an error", t.failed)
-        yield counter("requests_cancelled", "Requests cancelled (client gone or stop string)", t.cancelled)
-        rejected = CounterMetricFamily("selfspec_requests_rejected", "Requests refused before decoding",
-                                       labels=["reason"])
-        for reason, count in self.server.rejected.items():
-            rejected.add_metric([reason], count)
-        yield rejected
-        yield counter("prompt_tokens", "Prompt tokens prefilled", t.prompt_tokens)
-        yield counter("generated_tokens", "Tokens generated", t.new_tokens)
-        yield counter("draft_tokens", "Draft tokens proposed", t.drafted)
-        yield counter("accepted_tokens", "Draft tokens accepted", t.accepted)
-        yield counter("verify_rounds", "Verify rounds over all requests", t.rounds)
-        yield counter("draft_seconds", "Time spent drafting", t.draft_s)
-        yield counter("verify_seconds", "Time spent in verify forwards (once per batched forward)", t.verify_s)
-        yield counter("prefill_seconds", "Time spent prefilling prompts", t.prefill_s)
-        yield gauge("acceptance_rate", "α over all finished requests: accepted / drafted",
-                    t.accepted / t.drafted if t.drafted else 0.0)
-        yield gauge("mean_accepted_length", "Tokens committed per verify round, bonus included",
-                    (t.accepted + t.rounds) / t.rounds if t.rounds else 0.0)
-        yield gauge("batch_rows_mean", "Mean rows per batched verify forward", t.rows / t.steps if t.steps else 0.0)
-        yield gauge("queue_depth", "Requests waiting for a row", s.queue_depth)
-        yield gauge("active_rows", "Requests being decoded", len(s.active))

@@ -1,9 +1,15 @@
-"""The OpenAI-compatible server, exercised with the real `openai` client over loopback."""
+"""The OpenAI-compatible server, exercised with the real `openai` client over loopback: answers on
+SmolLM2, then what happens to requests that are abandoned, too long or interrupted on a tiny model."""
 
 import json
-import socket
+import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 try:
     import httpx2 as httpx  # the HTTP library recent openai releases ship with
@@ -11,38 +17,12 @@ except ImportError:
     import httpx
 import openai
 import pytest
-import uvicorn
 
-from selfspec.server import create_app
+from serving import CHAT_TEMPLATE, Running, free_port, slow_steps, tiny_served, wait_until
+from tiny_models import tiny_model, tiny_tokenizer
 
-pytestmark = pytest.mark.real
+real = pytest.mark.real
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Say hello in Spanish."]
-
-
-class Running:
-    """A server on a free loopback port, in a thread, for the duration of a test module."""
-
-    def __init__(self, model, **options):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.app = create_app(model, **options)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.name = self.app.state.server.name
-
-    def client(self, key="unused"):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +32,7 @@ def served(smollm2):
     running.close()
 
 
+@real
 def test_chat_completion_with_usage_and_speculation_stats(served, smollm2):
     client = served.client()
     reply = client.chat.completions.create(model=served.name, messages=[{"role": "user", "content": QUESTIONS[0]}],
@@ -66,6 +47,7 @@ def test_chat_completion_with_usage_and_speculation_stats(served, smollm2):
     assert spec["method"] == "lookup" and spec["rounds"] >= 1
 
 
+@real
 def test_streamed_chat_and_completion(served, smollm2):
     client = served.client()
     chunks = list(client.chat.completions.create(
@@ -82,6 +64,7 @@ def test_streamed_chat_and_completion(served, smollm2):
                                                      max_new_tokens=8).text
 
 
+@real
 def test_stop_strings_cut_the_text(served, smollm2):
     full = smollm2.generate(QUESTIONS[0], method="ar", max_new_tokens=12).text
     stop = full.split()[2]  # a word the answer is known to contain
@@ -92,6 +75,7 @@ def test_stop_strings_cut_the_text(served, smollm2):
     assert reply.choices[0].finish_reason == "stop"
 
 
+@real
 def test_concurrent_requests_are_batched_and_each_equals_ar(served, smollm2):
     client = served.client()
     results = [None] * len(QUESTIONS)
@@ -112,6 +96,7 @@ def test_concurrent_requests_are_batched_and_each_equals_ar(served, smollm2):
     assert totals.rows - totals.steps > before  # some verify forwards carried more than one request
 
 
+@real
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(served):
     client = served.client()
     with pytest.raises(openai.NotFoundError) as e:
@@ -130,7 +115,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(served):
         client.chat.completions.create(model=served.name, messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"selfspec": {"exit_layer": "deep"}})
     r = httpx.post(served.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"] and r.json()["error"]["param"] is None
     r = httpx.post(served.url + "/v1/completions", json={"model": served.name, "prompt": "x", "max_tokens": "many"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = httpx.post(served.url + "/v1/completions", json={"model": served.name, "prompt": "x", "frobnicate": 1})
@@ -139,6 +124,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(served):
     assert ok.usage.completion_tokens == 3
 
 
+@real
 def test_models_health_and_metrics(served):
     assert [m.id for m in served.client().models.list().data] == [served.name]
     assert httpx.get(served.url + "/health").json()["status"] == "ok"
@@ -149,6 +135,7 @@ def test_models_health_and_metrics(served):
         assert name in text
 
 
+@real
 def test_disconnect_frees_the_row(served):
     scheduler = served.app.state.server.scheduler
     cancelled = scheduler.totals.cancelled
@@ -165,6 +152,7 @@ def test_disconnect_frees_the_row(served):
     assert scheduler.totals.new_tokens < 10**6 and not scheduler.active
 
 
+@real
 def test_queue_limit_returns_503_with_retry_after(smollm2):
     running = Running(smollm2, max_batch=1, max_queue=0, options={"method": "ar"})
     try:
@@ -178,6 +166,7 @@ def test_queue_limit_returns_503_with_retry_after(smollm2):
         running.close()
 
 
+@real
 def test_api_key_is_required_when_set(smollm2):
     running = Running(smollm2, api_key="sesame", options={"method": "ar"})
     try:
@@ -187,3 +176,123 @@ def test_api_key_is_required_when_set(smollm2):
         assert httpx.get(running.url + "/health").status_code == 200
     finally:
         running.close()
+
+
+# -- accountability, on a tiny model whose steps are slowed to last long enough --------------------
+
+STEP_S = 0.02  # each scheduler step at least this long: 200 tokens take >= 4 s
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    running = Running(tiny_served(), max_batch=2, options={"method": "ar"}, max_request_seconds=1.5)
+    slow_steps(running.scheduler, STEP_S)
+    yield running
+    running.close()
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_row(tiny_server, caplog):
+    caplog.set_level(logging.INFO, logger="selfspec.access")
+    scheduler, cancelled = tiny_server.scheduler, tiny_server.scheduler.totals.cancelled
+    body = {"model": tiny_server.name, "prompt": "w5 w6 w7", "max_tokens": 200, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=0.5)
+    wait_until(lambda: scheduler.totals.cancelled > cancelled and not scheduler.active, 1.0,
+               "the row of a client that left was not freed")
+    wait_until(lambda: "finish=cancelled" in caplog.text, 2, "no access-log line for the cancelled request")
+    assert "/v1/completions prompt=3 completion=" in caplog.text
+
+
+def test_a_request_past_the_time_limit_ends_with_length_and_an_access_log_line(tiny_server, caplog):
+    caplog.set_level(logging.INFO, logger="selfspec.access")
+    timed_out = tiny_server.scheduler.totals.timed_out
+    t0 = time.time()
+    reply = tiny_server.client().chat.completions.create(
+        model=tiny_server.name, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=200, temperature=0)
+    assert reply.choices[0].finish_reason == "length" and 0 < reply.usage.completion_tokens < 200
+    assert time.time() - t0 < 1.5 + 2  # the limit, and a step or two to end the row
+    assert tiny_server.scheduler.totals.timed_out == timed_out + 1
+    wait_until(lambda: reply.id in caplog.text, 2, "no access-log line")
+    line = next(x for x in caplog.text.splitlines() if reply.id in x)
+    assert (f"{reply.id} /v1/chat/completions prompt={reply.usage.prompt_tokens} "
+            f"completion={reply.usage.completion_tokens} method=ar alpha=- seconds=") in line
+    assert line.endswith("finish=length")
+
+
+def test_metrics_show_the_oldest_active_row_and_time_outs(tiny_server):
+    body = {"model": tiny_server.name, "prompt": "w5", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # one iterator: closing an iterator of the response closes the response
+        next(line for line in lines if line.startswith("data: {"))
+        time.sleep(0.5)
+        age = _metric(httpx.get(tiny_server.url + "/metrics").text, "selfspec_oldest_active_seconds")
+        assert 0.5 <= age < 1.5 + 2
+        last = [line for line in lines if line.startswith("data: {")][-1]
+    assert json.loads(last[6:])["choices"][0]["finish_reason"] == "length"  # the stream ended at the limit too
+    text = httpx.get(tiny_server.url + "/metrics").text
+    assert _metric(text, "selfspec_oldest_active_seconds") == 0 and _metric(text, "selfspec_requests_timed_out_total") >= 1
+
+
+def test_malformed_json_names_no_parameter(tiny_server):
+    r = httpx.post(tiny_server.url + "/v1/completions", content=b'{"model": "tiny-llama", "prompt": "w5", oops}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None and "JSON" in r.json()["error"]["message"]
+
+
+def test_sigterm_cancels_active_requests_and_the_server_exits(tmp_path):
+    """`selfspec serve` decoding two long requests (one streamed) exits within --drain-seconds and a
+    little more of SIGTERM, each request logged as cancelled."""
+    checkpoint = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(checkpoint)
+    tiny_tokenizer(CHAT_TEMPLATE).save_pretrained(checkpoint)
+    port = free_port()
+    # Steps slowed as in the tests above: the requests would take >= 8 s.
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import serving\n"
+            f"from selfspec.batch import Scheduler; step = Scheduler.step\n"
+            f"Scheduler.step = lambda self: serving.time.sleep({STEP_S * 2}) or step(self)\n"
+            f"from selfspec.cli import main; sys.exit(main(sys.argv[1:]))")
+    server = subprocess.Popen(
+        [sys.executable, "-c", code, "serve", "--model", str(checkpoint), "--port", str(port), "--method", "ar",
+         "--drain-seconds", "1"], stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _up(url), 90, "the server did not start")
+        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": name, "prompt": "w5 w6", "max_tokens": 200, "temperature": 0}
+        outcomes = []
+
+        def ask(stream):
+            try:
+                r = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=30)
+                outcomes.append(r.text)
+            except httpx.HTTPError as error:
+                outcomes.append(error)
+
+        clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+        for c in clients:
+            c.start()
+        wait_until(lambda: "selfspec_active_rows 2.0" in httpx.get(url + "/metrics").text, 10, "rows not active")
+        t0 = time.time()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=1 + 10)
+        assert time.time() - t0 < 1 + 5
+        assert server.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+        for c in clients:
+            c.join(10)
+        assert len(outcomes) == 2
+        assert server.stderr.read().count("finish=cancelled") == 2
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _metric(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))

@@ -15,17 +15,7 @@ from selfspec.train import (
     Batch, Exits, Recipe, active_exits, dropout_rates, exit_forward, exit_scales, exit_weights, prepare,
     read_data, save, train,
 )
-from tiny_models import VOCAB, tiny_model
-
-
-def tiny_tokenizer():
-    """Token i is the word w<i>: text in, the tiny model's ids out."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+from tiny_models import VOCAB, tiny_model, tiny_tokenizer
 
 
 def words(rng, n):

@@ -52,6 +52,18 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32):
     return build(_configs()[arch], seed, dtype)
 
 
+def tiny_tokenizer(chat_template: str | None = None):
+    """Token i is the word w<i>: text in, the tiny model's ids out (and a chat template, if given)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 def build(config, seed: int = 0, dtype=torch.float32):
     """The model of `config` with random weights drawn as tiny_model's are."""
     config.eos_token_id = None
