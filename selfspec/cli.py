@@ -97,8 +97,15 @@ DRAFT_VOCAB_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and a pointer to --help, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="selfspec",
         description="Lossless self-speculative decoding: the model drafts with its first k layers and "
                     "verifies with one full forward on a shared KV cache. Output equals the full model's.",

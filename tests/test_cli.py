@@ -32,6 +32,13 @@ def test_bad_input_exits_2_with_a_message(args, message):
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
+def test_usage_errors_are_one_line():
+    out = selfspec("generate", "hi", "--method", "bogus")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "invalid choice: 'bogus'" in out.stderr
+    assert "see: selfspec generate --help" in out.stderr
+
+
 @pytest.mark.real
 def test_generate_streams_text_then_statistics():
     out = selfspec("generate", "What is the capital of France?", "-k", "20", "-g", "3", "-n", "16")
