@@ -60,6 +60,7 @@ class Tally:
     peak_bytes: int = 0
     extra_bytes: int = 0  # peak minus what was in use just before the generation
     kv_bytes: int = 0
+    sampled: bool = False  # temperature > 0: outputs follow the same distribution, not AR's tokens
 
     def add(self, run: Run, identical: bool, memory: MemoryUse, near_tie: bool = False) -> None:
         self.tokens += len(run.tokens)
@@ -92,7 +93,7 @@ class Tally:
             "mean_accepted_length": rounded(stats.mean_accepted_length) if stats else None,
             "cost": rounded(stats.cost) if stats else None,
             "search_s": rounded(stats.search_s) if stats and stats.searches else None,
-            "identical_to_ar": f"{self.identical}/{self.runs}",
+            "identical_to_ar": "sampled" if self.sampled else f"{self.identical}/{self.runs}",
             "near_ties": self.near_ties,
             "peak_mib": round(self.peak_bytes / MIB, 1),
             "extra_mib": round(self.extra_bytes / MIB, 1),
@@ -178,7 +179,10 @@ def run_bench(args) -> int:
     prompts = load_prompts(args.prompts, args.per_category)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
     methods = [Method("ar (ours)", "ar")] + _methods(args, model)
-    if not args.no_hf:
+    temperature = getattr(args, "temperature", 0.0) or 0.0
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if not args.no_hf and not temperature:  # transformers' references run greedy only
         methods += hf_methods(args, model)
     if getattr(args, "llamacpp", False):
         from selfspec.llamacpp_reference import LlamaCpp, gguf_path
@@ -193,16 +197,22 @@ def run_bench(args) -> int:
 
     methods = warm_up(model, methods, encoded[0], min(n, 8))
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    for prompt, ids in zip(prompts, encoded):
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         reference = None
+        # Sampling: every method draws with the same seed per prompt; the outputs are samples of the
+        # same distribution (tests/lossless.py checks that), not the same tokens, so "= AR" is moot.
+        sampling = dict(temperature=temperature, seed=getattr(args, "seed", 0) + i) if temperature else {}
         for m in methods:
             with peak_memory(model.adapter.device) as memory:
-                run = _run(model, m, ids, n)
+                run = _run(model, m, ids, n, sampling)
             if m.method == "ar":
                 reference = run.tokens
             same = run.tokens == reference
             near_tie = False
-            if not same and m.method != "llamacpp":  # llama.cpp runs the quantized model: its own tokens
+            if sampling:
+                m.total.sampled = True
+                m.by_category.setdefault(prompt.category, Tally()).sampled = True
+            elif not same and m.method != "llamacpp":  # llama.cpp runs the quantized model: its own tokens
                 found = divergence(model.adapter, ids, reference, run.tokens)
                 near_tie = found.near_tie
                 tqdm.write(f"{m.label}, {prompt.category}: {found}", file=sys.stderr)
@@ -312,15 +322,15 @@ def hf_methods(args, model) -> list[Method]:
     return out
 
 
-def _run(model, m: Method, ids: torch.Tensor, n: int) -> Run:
-    """One greedy generation of `m`, at most `n` new tokens."""
+def _run(model, m: Method, ids: torch.Tensor, n: int, sampling: dict | None = None) -> Run:
+    """One generation of `m`, at most `n` new tokens: greedy, or with `sampling` (temperature, seed)."""
     if m.method == "hf":
         return Run(*hf_generate(model, ids, n, m.hf_kwargs))
     if m.method == "llamacpp":
         tokens, seconds = m.engine.generate(ids, n, model.eos_ids)
         return Run(tokens, seconds, None, 0)
     result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
-                            draft_vocab=m.draft_vocab, experts=m.experts, max_new_tokens=n)
+                            draft_vocab=m.draft_vocab, experts=m.experts, max_new_tokens=n, **(sampling or {}))
     return Run(result.tokens, result.stats.wall_s, result.stats, result.stats.kv_cache_bytes)
 
 
@@ -351,7 +361,7 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
         f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token); "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "
-        f"greedy, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}; "
+        f"{_decoding(args)}, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}; "
         f"command: {shlex.join(['selfspec', *sys.argv[1:]])}"
     )
     memory = (
@@ -366,6 +376,13 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
         lines += [f"Category {c}:", "", _table(per_category[c]), ""]
     return {"setup": setup, "memory": memory, "overall": overall, "per_category": per_category,
             "markdown": "\n".join(lines)}
+
+
+def _decoding(args) -> str:
+    temperature = getattr(args, "temperature", 0.0) or 0.0
+    if not temperature:
+        return "greedy"
+    return f"sampled at temperature {temperature} (seed {getattr(args, 'seed', 0)} + prompt index, the same for every method)"
 
 
 def _table(rows: list[dict]) -> str:

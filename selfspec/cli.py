@@ -203,6 +203,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         "llama-cpp-python, which builds from source: ~8 minutes on 2 cores)")
     b.add_argument("--no-hf", action="store_true",
                    help="skip the transformers generate() references (AR, early exit, prompt lookup)")
+    b.add_argument("--temperature", "-t", type=float, default=0.0,
+                   help="sample at this temperature instead of greedy decoding (default 0: greedy); every method "
+                        "then draws with the same seed per prompt, the transformers references are left out, and "
+                        "the '= AR' column reads 'sampled'")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt; prompt i uses seed + i")
     b.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON to this file")
     b.add_argument("--markdown", default=None, help="also write the results table as markdown to this file")
     c = sub.add_parser("calc", help="the analytic model: tokens per step, speedup, ceiling, best γ",

@@ -148,3 +148,22 @@ def test_named_code_set_keeps_bench_and_held_out_apart():
     assert len(bench) == 8 and {p.category for p in bench} == {"code_complete", "code_write"}
     assert len(held_out) == 4 and not {p.text for p in bench} & {p.text for p in held_out}
     assert [p.text for p in load_prompts("chat", 1)] == [p.text for p in load_prompts(None, 1)]
+
+
+def test_sampled_bench_reports_alpha_and_marks_outputs_sampled(tiny, monkeypatch, capsys):
+    """--temperature: every method samples with the prompt's seed; no transformers references,
+    α and speedup reported, and '= AR' reads 'sampled' (samples, not AR's tokens)."""
+    import selfspec
+
+    model = tiny()
+    fixed = torch.tensor([1, 5, 9, 2, 7, 3, 5, 9])
+    monkeypatch.setattr(model, "encode", lambda text, *a, **kw: text if torch.is_tensor(text) else fixed)
+    monkeypatch.setattr(selfspec, "load", lambda *a, **kw: model)
+    args = Namespace(prompts="code", per_category=1, model=None, dtype=None, device="cpu", compile=None, exact=None,
+                     method=["early-exit", "lookup"], exit_layer=[1], draft_len=[2], no_hf=False, max_new_tokens=12,
+                     temperature=0.8, seed=3, json_out=None, markdown=None)
+    assert bench.run_bench(args) == 0
+    out = capsys.readouterr().out
+    assert "sampled at temperature 0.8" in out and "HF" not in out.split("| method")[1].split("\n", 2)[2]
+    rows = [line for line in out.splitlines() if line.startswith("| early-exit") or line.startswith("| lookup")]
+    assert rows and all("| sampled |" in line for line in rows)
