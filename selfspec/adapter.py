@@ -188,6 +188,8 @@ class ModelAdapter:
             if spec.window not in masks:
                 masks[spec.window] = None if rowwise else _causal_mask(start, n, spec.window, self.device)
             h = self._layer(i, h, start, cache, masks[spec.window], rowwise, skip, write, record, experts)
+            if write and cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache)
+                cache.write_exit_states(start, h)
         return h
 
     def run_rows(self, h: torch.Tensor, layers, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
@@ -203,6 +205,9 @@ class ModelAdapter:
         rows = _Rows(list(starts), list(caches))
         for i in layers:
             h = self._layer(i, h, rows, None, None, True, NO_SKIP, True, None)
+            for b, (start, cache) in enumerate(zip(rows.starts, rows.caches)):
+                if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache)
+                    cache.write_exit_states(start, h[b])
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

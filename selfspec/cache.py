@@ -5,6 +5,11 @@ position t live in slot t. `length` counts the positions whose entries are valid
 layer; slots past it may hold stale entries written by a draft or a verify of rejected tokens,
 which later writes overwrite. Rewinding after a rejection is therefore setting `length`: O(1),
 nothing cloned, and no second cache for the draft.
+
+A drafter that reads the context's exit states (the context head, selfspec.context_head) asks the
+cache to keep h_k, the output of layer k-1, by position as well. Every forward that writes layer
+k-1's keys and values for a position writes its h_k beside them (the adapter's layer loops do it),
+so the exit states are valid exactly where the cache is, and rewind with it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,22 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
+        self.exit_layer: int | None = None  # k whose exit states are kept, None: none
+        self.exit_states: torch.Tensor | None = None  # [capacity, hidden]: h_k by position
+
+    def keep_exit_states(self, k: int, hidden_size: int) -> None:
+        """From now on keep h_k of every position a forward computes layer k-1 for."""
+        if self.exit_layer != k or self.exit_states is None or self.exit_states.shape[1] != hidden_size:
+            self.exit_states = self.keys.new_zeros(self.capacity, hidden_size)
+        self.exit_layer = k
+
+    def write_exit_states(self, positions: int | torch.Tensor, h: torch.Tensor) -> None:
+        """Store h_k [..., n, hidden] of n positions: start .. start+n-1, or a [n] tensor of slots."""
+        h = h.reshape(-1, h.shape[-1])
+        if isinstance(positions, int):
+            self.exit_states[positions:positions + h.shape[0]] = h
+        else:
+            self.exit_states.index_copy_(0, positions, h)
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [1, kv_heads, n, head_dim] of positions start .. start+n-1."""

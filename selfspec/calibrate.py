@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from selfspec import draft_head
+from selfspec import context_head, draft_head
+from selfspec.context_head import ContextHead
 from selfspec.exit_adapter import SECTION, ExitAdapter, default_path, save_exit_adapter
 from selfspec.profiles import save_section
 from selfspec.tuner.trace import exit_states
@@ -146,7 +147,8 @@ class Sequence:
 @torch.no_grad()
 def self_distillation(model, prompts: list[torch.Tensor], exit_layers: list[int], max_new_tokens: int, *,
                       prompt_examples: bool = True, batch_size: int = 32, batch_tokens: int = 8192,
-                      progress: bool = True, outputs: dict[int, list[int]] | None = None) -> Positions:
+                      progress: bool = True, outputs: dict[int, list[int]] | None = None,
+                      first_position: bool = False) -> Positions:
     """The model's greedy continuation of each prompt (ids [n]), and the examples read off it.
 
     Prompts run in batches through transformers' generate(), left-padded, similar lengths together,
@@ -156,7 +158,9 @@ def self_distillation(model, prompts: list[torch.Tensor], exit_layers: list[int]
     (the ones a draft is fed), and with prompt_examples those of the prompt after its first token
     (the prefill computed them anyway). In a batch a near-tie can break differently from batch 1:
     harmless for training data. `outputs`, if a dict, receives each prompt's output tokens by
-    prompt index (up to and including its EOS)."""
+    prompt index (up to and including its EOS). first_position: keep the prompt's first position
+    too (with prompt_examples), so that each prompt's rows are its whole sequence (the context
+    head's training data: every position is context)."""
     from transformers import GenerationConfig
 
     adapter = model.adapter
@@ -188,7 +192,8 @@ def self_distillation(model, prompts: list[torch.Tensor], exit_layers: list[int]
                 if outputs is not None:
                     outputs[i] = tokens[:n + 1]
                 fed = range(1, min(n, len(tokens) - 1) + 1)  # steps fed an output token (not EOS or padding)
-                start = width - prompts[i].numel() + 1 if prompt_examples else width  # prefill columns kept
+                first = width - prompts[i].numel() + (0 if first_position else 1)
+                start = first if prompt_examples else width  # prefill columns kept
                 states = {k: torch.cat([steps[k][0][row, start:], *(steps[k][t][row] for t in fed)]) for k in layers}
                 n_prompt = width - start
                 parts.append(_examples(adapter, states, i, n_prompt))
@@ -321,6 +326,15 @@ class _DistillKL(torch.autograd.Function):
         return grad * grad_kl[:, None], None, None
 
 
+def adamw_cosine(params, steps: int, lr: float, weight_decay: float):
+    """AdamW with a linear warm-up (a tenth of the steps, at most 100) then cosine decay to 0."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warmup = max(1, min(100, steps // 10))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
+    return optimizer, schedule
+
+
 @torch.no_grad()
 def evaluate(adapter, exit_adapter: ExitAdapter, h, teacher_ids, teacher_logp, batch: int = 512) -> tuple[float, float]:
     """(mean KL, α) of the draft with `exit_adapter` on these positions."""
@@ -344,10 +358,7 @@ def train_exit_adapter(adapter, exit_adapter: ExitAdapter, train: tuple, held_ou
     h, ids, logp = train
     kl_before, alpha_before = evaluate(adapter, exit_adapter, *held_out)
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(exit_adapter.parameters(), lr=lr, weight_decay=weight_decay)
-    warmup = max(1, min(100, steps // 10))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
+    optimizer, schedule = adamw_cosine(exit_adapter.parameters(), steps, lr, weight_decay)
     exit_adapter.train().requires_grad_(True)
     order, cursor, loss_avg, alpha = torch.randperm(h.shape[0], generator=generator), 0, None, alpha_before
     bar = tqdm(range(steps), desc=f"train k={exit_adapter.exit_layer}", unit="step", file=sys.stderr,
@@ -443,15 +454,20 @@ def calibrate(model, prompts: list, *, texts: list[str] = (), exit_layers: list[
 
 
 def save(result: Calibration, identity, directory: str | Path | None = None, setup: dict | None = None) -> None:
-    """Write every k's adapter (named by default_path, in `directory` or beside the profiles) and
-    point the model's profile at the one with the best held-out α after training; likewise the
-    token ranking for the pruned draft head."""
+    """Write every k's adapter or context head (named by default_path, in `directory` or beside the
+    profiles) and point the model's profile at the one with the best held-out α after training;
+    likewise the token ranking for the pruned draft head."""
     for k, t in result.trained.items():
         summary = {**t.summary(), "train_positions": result.train_positions,
                    "held_out_positions": result.held_out_positions, **(setup or {})}
-        result.paths[k] = save_exit_adapter(t.adapter, default_path(identity, k, directory), identity, summary)
+        if isinstance(t.adapter, ContextHead):
+            path = context_head.default_path(identity, k, directory)
+            result.paths[k] = context_head.save_context_head(t.adapter, path, identity, summary)
+        else:
+            result.paths[k] = save_exit_adapter(t.adapter, default_path(identity, k, directory), identity, summary)
     best = result.trained[result.best]
-    result.profile = save_section(identity, SECTION, {
+    section = context_head.SECTION if isinstance(best.adapter, ContextHead) else SECTION
+    result.profile = save_section(identity, section, {
         "path": str(result.paths[result.best].resolve()), "exit_layer": result.best,
         "alpha_before": round(best.alpha_before, 4), "alpha_after": round(best.alpha_after, 4),
         "params": best.adapter.n_params,

@@ -68,7 +68,8 @@ def _speculation_options(p: argparse.ArgumentParser) -> None:
 def _drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence stop: end a draft after a token whose draft top-1 probability is below this "
-                        "(layer-skip: the starting value of its adaptive threshold; default per method, 0.8)")
+                        "(layer-skip: the starting value of its adaptive threshold; default per method, 0.8; "
+                        "early exit: 0.6 with a context head, else no stop)")
     p.add_argument("--skip", default=None,
                    help="layer-skip's sublayers to skip, e.g. 'attn:3,5 mlp:10-14' or '10-19' (whole layers); "
                         "default: the model's profile from `selfspec search`")
@@ -81,9 +82,9 @@ def _drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="a profile JSON file to use instead of this model's saved one (must match the model)")
     p.add_argument("--exit-adapter", default=None, metavar="FILE|none",
-                   help="early exit's trained exit adapter (a .safetensors file from `selfspec calibrate`), or "
-                        "'none' for plain early exit; default: the profile's adapter when its k is the one asked "
-                        "(without -k, its k becomes the default)")
+                   help="early exit's trained exit adapter or context head (a .safetensors file from `selfspec "
+                        "calibrate [--head context]`), or 'none' for plain early exit; default: the profile's context "
+                        "head, else its adapter, when its k is the one asked (without -k, its k becomes the default)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N", help=DRAFT_VOCAB_HELP)
     p.add_argument("--experts", type=int, default=None, metavar="N",
                    help="expert-subset: routed experts per token in each mixture-of-experts layer of the draft, "
@@ -245,7 +246,9 @@ def _build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--steps", type=int, default=500,
                      help="optimiser steps per exit layer (default 500; about 0.35 s each for SmolLM2 on 2 idle "
                           "CPU cores)")
-    cal.add_argument("--batch-size", type=int, default=256, help="positions per step (default 256)")
+    cal.add_argument("--batch-size", type=int, default=256,
+                     help="positions per step (default 256); --head context: positions the loss is taken at, "
+                          "drawn from --sequences whole sequences")
     cal.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
     cal.add_argument("--width", type=int, default=None,
                      help="adapter hidden width (default: the model's hidden size; parameters ≈ 2·hidden·width)")
@@ -254,6 +257,21 @@ def _build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--seed", type=int, default=0, help="seed of the split, initialisation and batches (default 0)")
     cal.add_argument("--output", default=None,
                      help="directory for the adapter files (default: beside the model's profile)")
+    cal.add_argument("--generate-batch", type=int, default=32,
+                     help="prompts generated together when making the data (default 32)")
+    cal.add_argument("--head", choices=("mlp", "context"), default="mlp",
+                     help="what to train: 'mlp', the per-position exit adapter (default), or 'context', the "
+                          "context head (Kangaroo-style: one small attention block over the context's exit states, "
+                          "then the MLP; drafts stop early below --threshold 0.6 unless told otherwise); the "
+                          "profile then points early exit at that k at it")
+    cal.add_argument("--heads", type=int, default=4,
+                     help="--head context: attention heads of 64 dimensions (default 4)")
+    cal.add_argument("--sequences", type=int, default=4,
+                     help="--head context: whole sequences per step, their every position context (default 4)")
+    cal.add_argument("--train-vocab", type=int, default=None, metavar="N",
+                     help="--head context: train against a head pruned to the N most frequent tokens of the data, "
+                          "as --draft-vocab N drafts (default: the full head, or 32768 when the vocabulary has "
+                          "more than 100k tokens, e.g. Gemma 3's 262k)")
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
 
     t = sub.add_parser("tune", help="find the fastest k and γ for this model on this machine; --method auto uses it",
@@ -543,7 +561,7 @@ def _calibrate(args) -> int:
     from selfspec.bench import load_prompts
     from selfspec.calibrate import calibrate, save
 
-    for name in ("num_prompts", "max_new_tokens", "steps", "batch_size"):
+    for name in ("num_prompts", "max_new_tokens", "steps", "batch_size", "generate_batch", "heads", "sequences"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.width is not None and args.width < 1:
@@ -560,13 +578,28 @@ def _calibrate(args) -> int:
                 texts.append(f.read())
         except OSError as err:
             raise FileNotFoundError(f"cannot read --text {path}: {err.strerror}") from None
+    if args.train_vocab is not None and args.train_vocab < 1:
+        raise ValueError(f"--train-vocab must be >= 1, got {args.train_vocab}")
     model = _load(args, progress=not args.json)
-    result = calibrate(model, prompts, texts=texts, exit_layers=args.exit_layer, max_new_tokens=args.max_new_tokens,
-                       steps=args.steps, batch_size=args.batch_size, lr=args.lr, width=args.width,
-                       holdout=args.holdout, seed=args.seed, progress=not args.json)
     setup = dict(model=model.name, dtype=args.dtype, prompts=len(prompts),
                  prompt_source=args.prompts or "bundled calibration_train.jsonl", texts=len(texts),
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    if args.head == "context":
+        from selfspec.context_calibrate import calibrate_context
+
+        vocab = model.adapter.lm_head.out_features
+        train_vocab = args.train_vocab if args.train_vocab is not None else (32768 if vocab > 100_000 else None)
+        result = calibrate_context(model, prompts, texts=texts, exit_layers=args.exit_layer,
+                                   max_new_tokens=args.max_new_tokens, steps=args.steps, sequences=args.sequences,
+                                   positions=args.batch_size, lr=args.lr, width=args.width, heads=args.heads,
+                                   holdout=args.holdout, seed=args.seed, train_vocab=train_vocab,
+                                   generate_batch=args.generate_batch, progress=not args.json)
+        setup.update(head="context", heads=args.heads, sequences=args.sequences, train_vocab=result.train_vocab)
+    else:
+        result = calibrate(model, prompts, texts=texts, exit_layers=args.exit_layer,
+                           max_new_tokens=args.max_new_tokens, steps=args.steps, batch_size=args.batch_size,
+                           lr=args.lr, width=args.width, holdout=args.holdout, seed=args.seed,
+                           generate_batch=args.generate_batch, progress=not args.json)
     save(result, model.identity, args.output, setup)
     if args.json:
         print(json.dumps({"model": model.name, **setup, **result.to_json()}))
@@ -575,13 +608,19 @@ def _calibrate(args) -> int:
           + (f" + {len(texts)} text file(s)" if texts else "")
           + f"; {result.train_positions} training positions ({result.train_outputs} in outputs, the rest in "
             f"prompts{' and text' if texts else ''}), {result.held_out_positions} held-out output positions; "
-            f"data {result.data_seconds:.0f} s; {args.steps} steps × {args.batch_size} positions per k")
+            f"data {result.data_seconds:.0f} s; {args.steps} steps × {args.batch_size} positions per k"
+          + (f" (from {args.sequences} sequences)" if args.head == "context" else ""))
     print()
     print(result.table())
     print()
+    kind = "context head" if args.head == "context" else "adapter"
     for k, path in sorted(result.paths.items()):
-        print(f"adapter k={k}: {path}")
-    print(f"profile: {result.profile} (exit-adapter: k={result.best}, used by early exit at that k)")
+        print(f"{kind} k={k}: {path}")
+    section = "context-head" if args.head == "context" else "exit-adapter"
+    print(f"profile: {result.profile} ({section}: k={result.best}, used by early exit at that k)")
+    if args.head == "context":
+        print("α by draft position: held out, on the model's own greedy outputs, every output position a round's "
+              "start, no γ cap or confidence stop")
     if result.draft_head_path is not None:
         from selfspec.draft_head import coverage
 

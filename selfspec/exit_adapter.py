@@ -13,7 +13,9 @@ identity and the draft is plain early exit. Width d (the hidden size) gives 2·d
 On disk: one safetensors file per (model, k), whose metadata holds a JSON header tying it to the
 model's identity (name and config hash, as profiles are), beside the model's profile:
 `profiles_dir()/<identity slug>.exit-k<k>.safetensors`. The profile's "exit-adapter" section
-points at the one `generate`, `bench` and the server use when their k matches it.
+points at the one `generate`, `bench` and the server use when their k matches it, unless its
+"context-head" section names a context head (selfspec.context_head) for that k: the option that
+selects an adapter (`exit_adapter`, `--exit-adapter FILE|none`) selects either kind.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from selfspec import tagged_file
+from selfspec import context_head, tagged_file
+from selfspec.context_head import ContextHead
 from selfspec.profiles import ModelIdentity, ProfileMismatchError, profiles_dir
 
 SECTION = "exit-adapter"  # the profile section naming this model's adapter
@@ -94,35 +97,51 @@ def load_exit_adapter(path: str | Path, identity: ModelIdentity) -> ExitAdapter:
     return adapter.eval().requires_grad_(False)
 
 
-def chosen_path(choice, profile: dict, exit_layer: int | None) -> Path | None:
-    """Which adapter file the exit_adapter option `choice` selects: None (the default) picks the
-    profile's adapter when its k is `exit_layer` (or `exit_layer` is None); False or "none"
-    picks none; anything else is a path."""
+def chosen_path(choice, profile: dict, exit_layer: int | None, context: bool = True) -> Path | None:
+    """Which trained file the exit_adapter option `choice` selects: None (the default) picks the
+    profile's context head (selfspec.context_head), else its exit adapter, whose k is
+    `exit_layer` (or any k when `exit_layer` is None); False or "none" picks none; anything else is
+    a path. context=False: never the profile's context head (a drafter that cannot use one)."""
     if choice in DISABLED:
         return None
     if choice is not None:
         return Path(choice).expanduser()
-    section = profile.get(SECTION)
-    if not section or (exit_layer is not None and section.get("exit_layer") != exit_layer):
-        return None
-    return Path(section["path"])
+    section = profile_section(profile, exit_layer, context)
+    return None if section is None else Path(section["path"])
+
+
+def profile_section(profile: dict, exit_layer: int | None, context: bool = True) -> dict | None:
+    """The profile's section naming a trained draft at `exit_layer` (None: any k): the context
+    head's first, since it drafts better than the per-position adapter."""
+    for name in (context_head.SECTION, SECTION) if context else (SECTION,):
+        section = profile.get(name)
+        if section and (exit_layer is None or section.get("exit_layer") == exit_layer):
+            return section
+    return None
+
+
+def read_any_header(path: str | Path) -> dict:
+    """The header of an exit adapter or a context head file (its "format" says which)."""
+    return tagged_file.read_header(path, (FORMAT, context_head.FORMAT), f"no exit adapter at {path}", "exit adapter")
 
 
 def adapter_exit_layer(choice, profile: dict) -> int | None:
     """k of the adapter `choice` selects regardless of k (the default k of early exit when the user
     gives none), None when there is none."""
-    path = chosen_path(choice, profile, None)
-    if path is None:
+    if choice in DISABLED:
         return None
     if choice is None:
-        return profile[SECTION]["exit_layer"]
-    return read_header(path)["exit_layer"]
+        section = profile_section(profile, None)
+        return None if section is None else section["exit_layer"]
+    return read_any_header(Path(choice).expanduser())["exit_layer"]
 
 
-def exit_adapter_for(choice, profile: dict, identity: ModelIdentity | None, exit_layer: int | None) -> ExitAdapter | None:
-    """Load the adapter `choice` selects (see chosen_path) for early exit at `exit_layer`. An
-    explicit file trained for another k is an error; the profile's is simply not used then."""
-    path = chosen_path(choice, profile, exit_layer)
+def exit_adapter_for(choice, profile: dict, identity: ModelIdentity | None, exit_layer: int | None,
+                     context: bool = True) -> ExitAdapter | ContextHead | None:
+    """Load the exit adapter or context head `choice` selects (see chosen_path) for early exit at
+    `exit_layer`. An explicit file trained for another k is an error; the profile's is simply not
+    used then. context=False: a context head is refused (explicit) or passed over (the profile's)."""
+    path = chosen_path(choice, profile, exit_layer, context)
     if path is None:
         return None
     if identity is None:
@@ -130,7 +149,13 @@ def exit_adapter_for(choice, profile: dict, identity: ModelIdentity | None, exit
     if choice is None and not path.is_file():
         raise FileNotFoundError(f"the profile names exit adapter {path}, which is missing; run `selfspec calibrate` "
                                 f"again or pass exit_adapter='none' (--exit-adapter none)")
-    adapter = load_exit_adapter(path, identity)
+    if read_any_header(path)["format"] == context_head.FORMAT:
+        if not context:
+            raise ValueError(f"{path} is a context head, which this method cannot draft with; give an exit "
+                             f"adapter file or 'none'")
+        adapter = context_head.load_context_head(path, identity)
+    else:
+        adapter = load_exit_adapter(path, identity)
     if exit_layer is not None and adapter.exit_layer != exit_layer:
         raise ValueError(f"exit adapter {path} was trained for k={adapter.exit_layer}, not k={exit_layer}; "
                          f"use -k {adapter.exit_layer} or calibrate k={exit_layer}")

@@ -360,6 +360,8 @@ class LeanStep:
                 x, pos, masks[spec.window], *ropes[spec.rope], cache.keys[i, 0], cache.values[i, 0],
                 w.wqkv, w.bqkv, w.wo, w.wgu, w.wd, w.norms, w.qk_norms, w.scales, self.shape, do_attn, do_mlp,
             )
+            if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache); padding to the scratch slot
+                cache.write_exit_states(pos, x)
         return x[:n].unsqueeze(0)
 
     def _note_compile(self, rows: int, do_attn: bool, do_mlp: bool) -> None:

@@ -31,9 +31,9 @@ def write(path: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> P
     return path
 
 
-def read_header(path: str | Path, format_: str, missing: str, what: str) -> dict:
-    """The header of the file at `path`, which must be of `format_`. `missing`: the error when
-    there is no file; `what`: the kind of file, for the error when it is another kind."""
+def read_header(path: str | Path, format_: str | tuple[str, ...], missing: str, what: str) -> dict:
+    """The header of the file at `path`, which must be of `format_` (or one of them). `missing`: the
+    error when there is no file; `what`: the kind of file, for the error when it is another kind."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(missing)
@@ -46,6 +46,7 @@ def read_header(path: str | Path, format_: str, missing: str, what: str) -> dict
         header = json.loads(metadata[HEADER_KEY])
     except (KeyError, json.JSONDecodeError):
         header = {}
-    if header.get("format") != format_:
-        raise ValueError(f"{path} is not a selfspec {what} (no '{format_}' header); make one with `selfspec calibrate`")
+    formats = (format_,) if isinstance(format_, str) else format_
+    if header.get("format") not in formats:
+        raise ValueError(f"{path} is not a selfspec {what} (no '{formats[0]}' header); make one with `selfspec calibrate`")
     return header

@@ -19,16 +19,18 @@ def _given(options: dict, *names: str) -> dict:
     return {name: options[name] for name in names if options.get(name) is not None}
 
 
-def _early_exit(**o) -> Drafter:
-    """exit_adapter: None uses the profile's adapter when its k is the one asked (or none is
-    asked: then k is the adapter's), a path uses that file, False or "none" uses no adapter.
+def _early_exit(context: bool = True, **o) -> Drafter:
+    """exit_adapter: None uses the profile's context head, else its exit adapter, when its k is
+    the one asked (or none is asked: then k is the head's or adapter's), a path uses that file
+    (either kind), False or "none" uses neither. context=False: never a context head (saguaro).
     draft_vocab: N, draft with a head pruned to the N most frequent tokens of the profile's
-    ranking from `selfspec calibrate`; None, the full head."""
+    ranking from `selfspec calibrate`; None, the full head. threshold: stop a draft at a token
+    whose top-1 probability is below it (default: 0.6 with a context head, else never)."""
     from selfspec.draft_head import ranking_for
     from selfspec.exit_adapter import exit_adapter_for
 
     k = o.get("exit_layer")
-    adapter = exit_adapter_for(o.get("exit_adapter"), o.get("profile") or {}, o.get("identity"), k)
+    adapter = exit_adapter_for(o.get("exit_adapter"), o.get("profile") or {}, o.get("identity"), k, context)
     if k is None and adapter is not None:
         k = adapter.exit_layer
     vocab = o.get("draft_vocab")
@@ -36,7 +38,7 @@ def _early_exit(**o) -> Drafter:
         raise ValueError(f"draft_vocab must be >= 1, got {vocab}")
     ranking = None if vocab is None else ranking_for(o.get("profile") or {}, o.get("identity"))
     return EarlyExit(k, 4 if o.get("draft_len") is None else o["draft_len"], exit_adapter=adapter,
-                     draft_vocab=vocab, ranking=ranking)
+                     draft_vocab=vocab, ranking=ranking, threshold=o.get("threshold"))
 
 
 def _layer_skip(**o) -> Drafter:
@@ -91,7 +93,7 @@ def _saguaro(**o) -> Drafter:
     """Early exit (the same options) that pre-drafts the next round during each verify."""
     from selfspec.drafters.saguaro import Saguaro
 
-    return Saguaro(_early_exit(**o))
+    return Saguaro(_early_exit(context=False, **o))  # its pre-drafts run ahead of any head's KV
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
