@@ -153,6 +153,19 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--drain-seconds", type=float, default=5,
                     help="on SIGTERM or Ctrl-C, seconds that active requests may run on before they are "
                          "cancelled and the server exits (default 5)")
+    rs = sv.add_argument_group("replicas on Ray Serve", 'several copies of the server behind one endpoint; '
+                               'needs pip install "selfspec[ray]"')
+    rs.add_argument("--replicas", type=int, default=None, metavar="N",
+                    help="run N replicas, each with its own model, scheduler and speculation, on a local Ray "
+                         "instance (default: one process, no Ray)")
+    rs.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                    help="let Ray Serve scale the replicas between MIN and MAX on ongoing requests (a replica "
+                         "counts as busy from 2; --replicas is then the initial count)")
+    rs.add_argument("--ray-address", default=None, metavar="ADDR",
+                    help="join this Ray cluster (e.g. HEAD_IP:6379 from 'ray start --head') instead of "
+                         "starting a local instance; replicas then run on any of its machines")
+    rs.add_argument("--replica-cpus", type=float, default=1, metavar="C",
+                    help="CPUs each replica reserves, and its torch threads (default 1)")
     _speculation_options(sv)
 
     s = sub.add_parser("search", help="find the layer-skip set for this model (Bayesian optimisation)",
@@ -266,8 +279,8 @@ def _build_parser() -> argparse.ArgumentParser:
                           "profile then points early exit at that k at it")
     cal.add_argument("--heads", type=int, default=4,
                      help="--head context: attention heads of 64 dimensions (default 4)")
-    cal.add_argument("--sequences", type=int, default=4,
-                     help="--head context: whole sequences per step, their every position context (default 4)")
+    cal.add_argument("--sequences", type=int, default=8,
+                     help="--head context: whole sequences per step, their every position context (default 8)")
     cal.add_argument("--train-vocab", type=int, default=None, metavar="N",
                      help="--head context: train against a head pruned to the N most frequent tokens of the data, "
                           "as --draft-vocab N drafts (default: the full head, or 32768 when the vocabulary has "
@@ -430,13 +443,16 @@ def _serve(args) -> int:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.max_request_seconds < 0 or args.drain_seconds < 0:
         raise ValueError("--max-request-seconds and --drain-seconds must be >= 0")
+    server_options = dict(max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key, options=options,
+                          served_name=args.name, max_request_seconds=args.max_request_seconds or None)
+    if args.replicas is not None or args.autoscale or args.ray_address:
+        return _serve_replicas(args, server_options)
     model = _load(args)
     method = args.method
     if method == "auto":
         method, k, g = model.tuned(args.profile, args.exit_layer, args.draft_len)
         method += "".join(f" {name}={v}" for name, v in (("k", k), ("γ", g)) if v is not None)
-    app = create_app(model, max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
-                     options=options, served_name=args.name, max_request_seconds=args.max_request_seconds or None)
+    app = create_app(model, **server_options)
     name = args.name or model.name
     print(f"selfspec: serving {name!r} on http://{args.host}:{args.port}/v1 (speculation: {method}; batch "
           f"{args.max_batch}, queue {args.max_queue}{'; API key required' if args.api_key else ''})", file=sys.stderr)
@@ -444,6 +460,49 @@ def _serve(args) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=log_config(),
                 timeout_graceful_shutdown=args.drain_seconds)
     return 0
+
+
+def _serve_replicas(args, server_options: dict) -> int:
+    """`serve` as Ray Serve replicas (selfspec.replicas), in the foreground until SIGTERM or Ctrl-C."""
+    import functools
+    import signal
+    import threading
+
+    from selfspec import replicas
+
+    scale = replicas.Scale.parse(args.replicas, args.autoscale)
+    try:
+        replicas.start_ray(args.ray_address, replicas.local_cpus(scale, args.replica_cpus))
+    except ModuleNotFoundError:
+        raise  # Ray is not installed: main prints the install command
+    except Exception as error:  # noqa: BLE001 - Ray's reasons are many; the user needs the one line
+        print(f"selfspec: error: Ray could not start{' at ' + args.ray_address if args.ray_address else ''}: "
+              f"{_first_line(error)}", file=sys.stderr)
+        return 2
+    stopping = threading.Event()
+    try:
+        try:
+            url = replicas.deploy(functools.partial(_load, args), server_options, scale, host=args.host,
+                                  port=args.port, replica_cpus=args.replica_cpus, drain_s=args.drain_seconds)
+        except Exception as error:  # noqa: BLE001 - e.g. a replica could not load the model: Ray logged why
+            print(f"selfspec: error: the replicas did not start: {_first_line(error)}", file=sys.stderr)
+            return 2
+        count = f"{scale.autoscale[0]}-{scale.autoscale[1]} (autoscaled)" if scale.autoscale else scale.replicas
+        print(f"selfspec: serving {args.name or args.model or 'the default model'} on {url}/v1 with {count} Ray Serve "
+              f"replicas (speculation: {args.method}; batch {args.max_batch}, queue {args.max_queue} each"
+              f"{'; API key required' if args.api_key else ''}); /metrics shows each replica and the total",
+              file=sys.stderr)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopping.set())
+        while not stopping.wait(1):
+            pass
+    finally:
+        replicas.stop(joined=bool(args.ray_address))
+    return 0
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _speculation(args) -> dict:

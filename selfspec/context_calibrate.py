@@ -182,7 +182,7 @@ def evaluate(head: ContextHead, student: Student, data: Sequences, k: int, chose
 
 
 def train_context_head(student: Student, head: ContextHead, data: Sequences, train: torch.Tensor,
-                       held_out: torch.Tensor, *, steps: int, sequences: int = 4, positions: int = 256,
+                       held_out: torch.Tensor, *, steps: int, sequences: int = 8, positions: int = 256,
                        lr: float = 3e-3, weight_decay: float = 0.01, seed: int = 0, eval_every: int = 100,
                        seen: torch.Tensor | None = None, progress: bool = True) -> ContextTrained:
     """Fit `head` (in place) on sequences `train` (indices into data), measuring on `held_out`
@@ -233,7 +233,7 @@ def train_context_head(student: Student, head: ContextHead, data: Sequences, tra
 
 
 def calibrate_context(model, prompts: list, *, texts: list[str] = (), exit_layers: list[int] | None = None,
-                      max_new_tokens: int = 128, steps: int = 500, sequences: int = 4, positions: int = 256,
+                      max_new_tokens: int = 128, steps: int = 500, sequences: int = 8, positions: int = 256,
                       lr: float = 3e-3, width: int | None = None, heads: int = 4, head_dim: int = 64,
                       holdout: float = 0.1, seed: int = 0, train_vocab: int | None = None,
                       generate_batch: int = 32, progress: bool = True) -> ContextCalibration:
