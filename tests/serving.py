@@ -6,10 +6,11 @@ import time
 
 import openai
 import uvicorn
+from transformers import LlamaConfig
 
 import selfspec
 from selfspec.server import create_app
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import COMMON, build, tiny_model, tiny_tokenizer
 
 # Each message's words, then "w3" to start the answer: enough for the chat route on a tiny model.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w3"
@@ -24,6 +25,13 @@ def free_port() -> int:
 def tiny_served(seed: int = 0) -> selfspec.SelfSpecModel:
     """A tiny random llama with a word tokenizer (w<i> is token i) and a chat template."""
     return selfspec.SelfSpecModel(tiny_model("llama", seed), tiny_tokenizer(CHAT_TEMPLATE), name="tiny-llama")
+
+
+def save_tiny(path, positions: int = COMMON["max_position_embeddings"]):
+    """tiny_served as a checkpoint that `selfspec serve --model PATH` loads; `positions` long."""
+    build(LlamaConfig(**{**COMMON, "max_position_embeddings": positions})).save_pretrained(path)
+    tiny_tokenizer(CHAT_TEMPLATE).save_pretrained(path)
+    return path
 
 
 class Running:

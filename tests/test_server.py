@@ -18,8 +18,7 @@ except ImportError:
 import openai
 import pytest
 
-from serving import CHAT_TEMPLATE, Running, free_port, slow_steps, tiny_served, wait_until
-from tiny_models import tiny_model, tiny_tokenizer
+from serving import Running, free_port, save_tiny, slow_steps, tiny_served, wait_until
 
 real = pytest.mark.real
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Say hello in Spanish."]
@@ -242,9 +241,7 @@ def test_malformed_json_names_no_parameter(tiny_server):
 def test_sigterm_cancels_active_requests_and_the_server_exits(tmp_path):
     """`selfspec serve` decoding two long requests (one streamed) exits within --drain-seconds and a
     little more of SIGTERM, each request logged as cancelled."""
-    checkpoint = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(checkpoint)
-    tiny_tokenizer(CHAT_TEMPLATE).save_pretrained(checkpoint)
+    checkpoint = save_tiny(tmp_path / "tiny")
     port = free_port()
     # Steps slowed as in the tests above: the requests would take >= 8 s.
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import serving\n"
