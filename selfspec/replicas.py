@@ -13,6 +13,7 @@ snapshot (selfspec.metrics) to one small actor, the board, when a request ends a
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging.config
 import os
 from collections.abc import Callable
@@ -135,9 +136,10 @@ def start_ray(address: str | None, cpus: int) -> None:
     """Join the cluster at `address`, or start a local Ray instance on loopback with `cpus` CPUs.
     Call it before anything in the process imports ray (`require` too): ray reads the settings
     below when first imported."""
-    if not address:
+    if not address or _loopback(address):
         # Ray's switch for one-machine instances (its default on macOS): every Ray process then
-        # listens and connects on 127.0.0.1, not on the machine's network address.
+        # listens and connects on 127.0.0.1, where Ray would otherwise swap in the machine's
+        # network address.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray folds alike log lines from several workers into one and holds them back meanwhile: the
     # access log needs every line, when it happens.
@@ -146,7 +148,16 @@ def start_ray(address: str | None, cpus: int) -> None:
     if address:
         ray.init(address=address, namespace=NAMESPACE)
     else:
-        ray.init(num_cpus=cpus, include_dashboard=False, namespace=NAMESPACE)
+        # "local": a new instance, even where `ray start` left an address for ray.init to join.
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace=NAMESPACE)
+
+
+def _loopback(address: str) -> bool:
+    host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def deploy(load: Callable, server_options: dict, scale: Scale, *, host: str = "127.0.0.1", port: int = 8000,

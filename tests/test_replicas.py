@@ -141,8 +141,12 @@ def test_without_ray_the_cli_says_how_to_install_it(monkeypatch, capsys):
     assert len(errors) == 1 and 'pip install "selfspec[ray]"' in errors[0]
 
 
-def test_scale_flags():
+def test_scale_and_address_flags():
     from selfspec import replicas
+
+    # A cluster on loopback is one machine: Ray then keeps to 127.0.0.1 (see start_ray).
+    assert [replicas._loopback(a) for a in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379", "10.0.0.5:6379",
+                                            "head.example:6379")] == [True, True, True, False, False]
     assert replicas.Scale.parse(None, None).options() == {"num_replicas": 1}
     assert replicas.Scale.parse(3, None).options() == {"num_replicas": 3}
     auto = replicas.Scale.parse(None, "0:4").options()["autoscaling_config"]
