@@ -257,11 +257,12 @@ def _methods(args, model) -> list[Method]:
         if name == "ar":
             continue
         if name == "auto":
-            if not tuned:
-                raise ValueError(f"--method auto needs a tuned profile for {model.name}: run `selfspec tune` first")
-            k, g = tuned.get("exit_layer"), tuned.get("draft_len")
-            what = tuned["method"] + (f" k={k}" if k else "") + (f" γ={g}" if g else "")
-            out.append(Method(f"auto (tuned: {what})", tuned["method"], k, g))
+            # What `generate --method auto` runs: the tune's choice, else the shipped one, else AR.
+            method, k, g = (tuned["method"], tuned.get("exit_layer"), tuned.get("draft_len")) if tuned else \
+                model.tuned(None, None, None)
+            what = method + (f" k={k}" if k else "") + (f" γ={g}" if g else "")
+            source = "tuned" if tuned else "shipped" if method != "ar" else "no profile"
+            out.append(Method(f"auto ({source}: {what})", method, k, g))
         elif name == "early-exit":
             tag = " (tuned)" if from_tune and not (args.exit_layer or args.draft_len) else ""
             vocab = getattr(args, "draft_vocab", None)

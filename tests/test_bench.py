@@ -106,8 +106,13 @@ def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path))  # this test's profiles only
     model = tiny("llama")
     methods = lambda names, k=None, g=None: bench._methods(Namespace(method=names, exit_layer=k, draft_len=g), model)  # noqa: E731
-    with pytest.raises(ValueError, match="selfspec tune"):
-        methods(["auto"])
+    # No tune: auto is what generate runs then, the shipped choice or else AR (never an unmeasured draft).
+    (auto,) = methods(["auto"])
+    assert (auto.label, auto.method) == ("auto (no profile: ar)", "ar")
+    shipped = {"method": "lookup", "exit_layer": None, "draft_len": 3, "measured": "1.4x"}
+    monkeypatch.setattr("selfspec.api.shipped_choice", lambda identity, dtype: shipped)
+    (auto,) = methods(["auto"])
+    assert (auto.label, auto.method, auto.draft_len) == ("auto (shipped: lookup γ=3)", "lookup", 3)
     assert [m.label for m in methods(["all"])][0] == "early-exit k=4 γ=4"  # no tune: no auto row
     save_section(model.identity, "tune", {"method": "early-exit", "exit_layer": 2, "draft_len": 3})
     auto, early = methods(["auto,early-exit"])
