@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 from selfspec import tagged_file
 from selfspec.cache import KVCache
-from selfspec.profiles import ModelIdentity, ProfileMismatchError, profiles_dir
+from selfspec.profiles import ModelIdentity, profiles_dir
 
 SECTION = "context-head"  # the profile section naming this model's context head
 FORMAT = "selfspec-context-head/1"
@@ -200,12 +200,7 @@ def read_header(path: str | Path) -> dict:
 def load_context_head(path: str | Path, identity: ModelIdentity) -> ContextHead:
     """The head in `path`, refused unless it was trained for this model."""
     header = read_header(path)
-    found = header.get("identity", {})
-    if found != asdict(identity):
-        raise ProfileMismatchError(
-            f"context head {path} belongs to {found.get('name')!r} (config {found.get('config_hash')}), not to "
-            f"{identity.name!r} (config {identity.config_hash}); run `selfspec calibrate --head context` for this model"
-        )
+    tagged_file.check_identity(header, identity, path, "context head", "`selfspec calibrate --head context`")
     head = ContextHead(header["hidden_size"], header["exit_layer"], header["heads"], header["head_dim"],
                        header["width"], rope_theta=header["rope_theta"])
     head.load_state_dict(load_file(str(path)))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from selfspec import tagged_file
-from selfspec.profiles import ModelIdentity, ProfileMismatchError, profiles_dir
+from selfspec.profiles import ModelIdentity, profiles_dir
 
 SECTION = "draft-head"  # the profile section naming this model's token ranking
 FORMAT = "selfspec-draft-head/1"
@@ -146,12 +146,7 @@ def read_header(path: str | Path) -> dict:
 
 def load_ranking(path: str | Path, identity: ModelIdentity) -> torch.Tensor:
     """The ranked token ids [vocab] in `path`, refused unless they were counted for this model."""
-    found = read_header(path).get("identity", {})
-    if found != asdict(identity):
-        raise ProfileMismatchError(
-            f"draft-head ranking {path} belongs to {found.get('name')!r} (config {found.get('config_hash')}), not "
-            f"to {identity.name!r} (config {identity.config_hash}); run `selfspec calibrate` for this model"
-        )
+    tagged_file.check_identity(read_header(path), identity, path, "draft-head ranking")
     return load_file(str(path))["ranking"]
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from selfspec import context_head, tagged_file
 from selfspec.context_head import ContextHead
-from selfspec.profiles import ModelIdentity, ProfileMismatchError, profiles_dir
+from selfspec.profiles import ModelIdentity, profiles_dir
 
 SECTION = "exit-adapter"  # the profile section naming this model's adapter
 FORMAT = "selfspec-exit-adapter/1"
@@ -86,12 +86,7 @@ def read_header(path: str | Path) -> dict:
 def load_exit_adapter(path: str | Path, identity: ModelIdentity) -> ExitAdapter:
     """The adapter in `path`, refused unless it was trained for this model."""
     header = read_header(path)
-    found = header.get("identity", {})
-    if found != asdict(identity):
-        raise ProfileMismatchError(
-            f"exit adapter {path} belongs to {found.get('name')!r} (config {found.get('config_hash')}), not to "
-            f"{identity.name!r} (config {identity.config_hash}); run `selfspec calibrate` for this model"
-        )
+    tagged_file.check_identity(header, identity, path, "exit adapter")
     adapter = ExitAdapter(header["hidden_size"], header["exit_layer"], header["width"])
     adapter.load_state_dict(load_file(str(path)))
     return adapter.eval().requires_grad_(False)

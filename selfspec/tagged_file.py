@@ -1,12 +1,13 @@
 """Small safetensors files whose metadata carries a JSON header saying what they are and which
 model they belong to: exit adapters (selfspec.exit_adapter) and draft-head rankings
-(selfspec.draft_head). Written atomically; the header is read without loading the tensors."""
+(selfspec.draft_head), context heads (selfspec.context_head). Written atomically; the header is read without loading the tensors."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -50,3 +51,15 @@ def read_header(path: str | Path, format_: str | tuple[str, ...], missing: str, 
     if header.get("format") not in formats:
         raise ValueError(f"{path} is not a selfspec {what} (no '{formats[0]}' header); make one with `selfspec calibrate`")
     return header
+
+
+def check_identity(header: dict, identity, path: str | Path, what: str, remedy: str = "`selfspec calibrate`") -> None:
+    """Refuse a file made for another model (name and config hash, as profiles are keyed)."""
+    from selfspec.profiles import ProfileMismatchError
+
+    found = header.get("identity", {})
+    if found != asdict(identity):
+        raise ProfileMismatchError(
+            f"{what} {path} belongs to {found.get('name')!r} (config {found.get('config_hash')}), not to "
+            f"{identity.name!r} (config {identity.config_hash}); run {remedy} for this model"
+        )
