@@ -286,10 +286,14 @@ def _methods(args, model) -> list[Method]:
 
 
 def _adapter_tag(profile: dict, k: int) -> str:
-    """' + exit adapter' when early exit at k will use the profile's trained exit adapter."""
-    from selfspec.exit_adapter import chosen_path
+    """' + context head' or ' + exit adapter' when early exit at k will use the profile's trained one."""
+    from selfspec import context_head
+    from selfspec.exit_adapter import profile_section
 
-    return " + exit adapter" if chosen_path(None, profile, k) is not None else ""
+    section = profile_section(profile, k)
+    if section is None:
+        return ""
+    return " + context head" if section is profile.get(context_head.SECTION) else " + exit adapter"
 
 
 def warm_up(model, methods: list[Method], ids: torch.Tensor, n: int) -> list[Method]:
