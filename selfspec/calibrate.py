@@ -326,6 +326,16 @@ class _DistillKL(torch.autograd.Function):
         return grad * grad_kl[:, None], None, None
 
 
+def descend(optimizer, schedule, loss: torch.Tensor, loss_avg: float | None) -> float:
+    """One optimiser and schedule step on `loss`; returns the running loss average shown on the bar."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    schedule.step()
+    value = float(loss.detach())
+    return value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
+
+
 def adamw_cosine(params, steps: int, lr: float, weight_decay: float):
     """AdamW with a linear warm-up (a tenth of the steps, at most 100) then cosine decay to 0."""
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -369,12 +379,7 @@ def train_exit_adapter(adapter, exit_adapter: ExitAdapter, train: tuple, held_ou
         rows = order[cursor:cursor + batch_size]
         cursor += batch_size
         loss = distill_loss(student_logits(adapter, exit_adapter, h[rows]), ids[rows], logp[rows]).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        value = float(loss.detach())
-        loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
+        loss_avg = descend(optimizer, schedule, loss, loss_avg)
         if (step + 1) % eval_every == 0 and step + 1 < steps:
             exit_adapter.eval()
             alpha = evaluate(adapter, exit_adapter, *held_out)[1]

@@ -36,6 +36,7 @@ from selfspec.calibrate import (
     Positions,
     Trained,
     adamw_cosine,
+    descend,
     distill_loss,
     held_out_prompts,
     self_distillation,
@@ -208,13 +209,7 @@ def train_context_head(student: Student, head: ContextHead, data: Sequences, tra
         rows = (data.begin[chosen][:, None] + where).flatten()
         x = head(data.hidden(k, chosen).to(device), where.to(device)).flatten(0, 1)  # [B·m, d]
         ids, logp = student.teacher(p.teacher_ids[rows].to(device), p.teacher_logp[rows].to(device))
-        loss = distill_loss(student.logits(x), ids, logp).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        value = float(loss.detach())
-        loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
+        loss_avg = descend(optimizer, schedule, distill_loss(student.logits(x), ids, logp).mean(), loss_avg)
         if (step + 1) % eval_every == 0 and step + 1 < steps:
             alpha = evaluate(head, student, data, k, held_out)[1]
         bar.set_postfix(loss=f"{loss_avg:.3f}", held_out_alpha=f"{alpha:.3f}")

@@ -65,6 +65,9 @@ class ContextHead(torch.nn.Module):
         self.down = torch.nn.Linear(width, hidden_size, bias=False)
         torch.nn.init.zeros_(self.o.weight)  # untrained = identity = plain early exit
         torch.nn.init.zeros_(self.down.weight)
+        # RoPE's inverse frequencies, computed once per device, not per draft token. A plain
+        # attribute, not a buffer: .to(bfloat16) must not round them (the angles are float32).
+        self._inv_freq: torch.Tensor | None = None
 
     @property
     def n_params(self) -> int:
@@ -132,8 +135,10 @@ class ContextHead(torch.nn.Module):
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] for these positions (the Llama layout: halves rotated together)."""
-        inv = self.rope_theta ** -(torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim)
-        angles = positions.float()[:, None] * inv[None, :]
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = self.rope_theta ** -(
+                torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim)
+        angles = positions.float()[:, None] * self._inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -189,8 +194,7 @@ def save_context_head(head: ContextHead, path: str | Path, identity: ModelIdenti
     header = dict(format=FORMAT, identity=asdict(identity), exit_layer=head.exit_layer,
                   hidden_size=head.hidden_size, width=head.width, heads=head.heads, head_dim=head.head_dim,
                   rope_theta=head.rope_theta, dtype="float32", training=training or {})
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in head.state_dict().items()}
-    return tagged_file.write(path, tensors, header)
+    return tagged_file.write_module(path, head, header)
 
 
 def read_header(path: str | Path) -> dict:

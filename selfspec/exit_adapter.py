@@ -74,8 +74,7 @@ def save_exit_adapter(adapter: ExitAdapter, path: str | Path, identity: ModelIde
     header = dict(format=FORMAT, identity=asdict(identity), exit_layer=adapter.exit_layer,
                   hidden_size=adapter.hidden_size, width=adapter.width, dtype="float32",
                   training=training or {})
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in adapter.state_dict().items()}
-    return tagged_file.write(path, tensors, header)
+    return tagged_file.write_module(path, adapter, header)
 
 
 def read_header(path: str | Path) -> dict:

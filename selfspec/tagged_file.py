@@ -32,6 +32,12 @@ def write(path: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> P
     return path
 
 
+def write_module(path: str | Path, module: torch.nn.Module, header: dict) -> Path:
+    """`write` a trained module's saved state in float32 (its header says dtype float32)."""
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in module.state_dict().items()}
+    return write(path, tensors, header)
+
+
 def read_header(path: str | Path, format_: str | tuple[str, ...], missing: str, what: str) -> dict:
     """The header of the file at `path`, which must be of `format_` (or one of them). `missing`: the
     error when there is no file; `what`: the kind of file, for the error when it is another kind."""
