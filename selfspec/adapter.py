@@ -114,11 +114,12 @@ class ModelAdapter:
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype (the embedding's: quantized heads and layers compute in it)."""
+        return self.embed_tokens.weight.dtype
 
     def new_cache(self, capacity: int) -> KVCache:
         if self.step is not None:

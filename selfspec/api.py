@@ -20,7 +20,7 @@ from selfspec.engine import check_length, decode
 from selfspec.exit_adapter import adapter_exit_layer
 from selfspec.loading import LoadedModel, load_hf
 from selfspec.profiles import ModelIdentity, load_profile, shipped_choice
-from selfspec.quantize import ACTIVATION_DTYPE, quantize_int8
+from selfspec.quantize import ACTIVATION_DTYPE, quantize_int4, quantize_int8
 from selfspec.sampling import SamplingParams
 from selfspec.skips import SkipSet
 from selfspec.stats import GenerationStats
@@ -73,7 +73,7 @@ class SelfSpecModel:
     lean: bool = True
     compile: bool = False
     exact: bool = False
-    dtype_name: str | None = None  # what `load` was asked for ("int8" runs bfloat16 activations)
+    dtype_name: str | None = None  # what `load` was asked for ("int8", "int4" run bfloat16 activations)
     adapter: ModelAdapter = field(init=False)
     # Drafters by their options, kept for the session: adaptive ones (SWIFT) carry what they
     # learned on one prompt over to the next.
@@ -386,7 +386,7 @@ def load(
     checkpoint directory or a .gguf file.
 
     dtype: "auto" (bfloat16 where the device computes it natively, else float32; see
-    `default_dtype`), float32, bfloat16, float16 or int8 (weight-only, bfloat16 activations; see
+    `default_dtype`), float32, bfloat16, float16, int8 or int4 (weight-only, bfloat16 activations; see
     selfspec.quantize). compile: compile the decode step (None: `default_compile`). exact: every
     forward in one fixed row bucket, so greedy output is bit-identical to AR by construction (None:
     on for bfloat16, where it costs 4-10% of a step here, off otherwise; see `default_exact`). lean:
@@ -394,16 +394,18 @@ def load(
     if dtype == "auto":
         dtype = default_dtype(device)
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    quantize = dtype == "int8"
-    if quantize:
+    quantize = {"int8": quantize_int8, "int4": quantize_int4}.get(dtype) if isinstance(dtype, str) else None
+    if quantize is not None:
+        if dtype == "int4" and torch.device(device).type != "cpu":
+            raise ValueError("int4 runs PyTorch's CPU int4 kernel: on CUDA use --dtype int8 or bfloat16")
         dtype = ACTIVATION_DTYPE
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join([*DTYPES, 'int8'])}")
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join([*DTYPES, 'int8', 'int4'])}")
         dtype = DTYPES[dtype]
     loaded: LoadedModel = load_hf(model, dtype=dtype, device=device, progress=progress)
-    if quantize:
-        quantize_int8(loaded.model)
+    if quantize is not None:
+        quantize(loaded.model)
     if compile is None:
         compile = default_compile(device)
     if exact is None:

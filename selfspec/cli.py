@@ -20,10 +20,11 @@ MODEL_HELP = (
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help=MODEL_HELP)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
                    help="weights and activations dtype (default auto: bfloat16 where the CPU computes it natively, "
                         "AVX512-BF16 or AMX, or on CUDA; else float32); int8: int8 weights with one scale per output "
-                        "channel and bfloat16 activations; lossless is relative to AR in the same dtype")
+                        "channel and bfloat16 activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), "
+                        "an int8 head, bfloat16 activations; lossless is relative to AR in the same dtype")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step with torch.compile, once per row bucket, cached on disk (default: "
                         "on where measured faster: CUDA; off on CPU)")
@@ -760,8 +761,8 @@ def _train(args) -> int:
         raise ValueError(f"--out {out} exists and is not an empty directory; choose a new one")
     if args.data is not None and not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data} is not a file")
-    if args.dtype == "int8":
-        raise ValueError("train fine-tunes float weights: use --dtype float32 or bfloat16, not int8")
+    if args.dtype in ("int8", "int4"):
+        raise ValueError(f"train fine-tunes float weights: use --dtype float32 or bfloat16, not {args.dtype}")
     if args.dtype == "auto":  # optimiser state and small updates want float32, whatever decodes fastest
         args.dtype = "float32"
     exit_layers = [int(k) for entry in (args.exit_layers or []) for k in entry.split(",") if k.strip()]

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 from selfspec import tagged_file
 from selfspec.profiles import ModelIdentity, profiles_dir
+from selfspec.quantize import float_weight
 
 SECTION = "draft-head"  # the profile section naming this model's token ranking
 FORMAT = "selfspec-draft-head/1"
@@ -47,13 +48,13 @@ class PrunedHead:
     def __init__(self, adapter, token_ids: torch.Tensor):
         lm_head = adapter.lm_head
         self.vocab_size = lm_head.out_features
-        ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).to(lm_head.weight.device)
+        ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).to(adapter.device)
         if not ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(f"a draft head needs token ids in 0..{self.vocab_size - 1}")
         if ids.unique().numel() != ids.numel():
             raise ValueError("a draft head's token ids must be distinct")
         self.ids = ids  # [N]: subset position -> full-vocabulary id
-        self.weight = lm_head.weight.detach()[ids].contiguous()  # [N, hidden]
+        self.weight = float_weight(lm_head, ids)  # [N, hidden], dequantized if the head is int8
         self.bias = None if lm_head.bias is None else lm_head.bias.detach()[ids].contiguous()
         self.norm = adapter.norm
         self.softcap = adapter.final_softcap
@@ -61,8 +62,8 @@ class PrunedHead:
 
     def built_for(self, adapter) -> bool:
         """Whether this slice was taken from `adapter`'s head as it is now (device and dtype)."""
-        w = adapter.lm_head.weight
-        return self._source is w and (self.weight.device, self.weight.dtype) == (w.device, w.dtype)
+        return self._source is adapter.lm_head.weight and (self.weight.device, self.weight.dtype) == (adapter.device,
+                                                                                                   adapter.dtype)
 
     def __len__(self) -> int:
         return self.ids.numel()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec.quantize import Int8Linear, int8_linear
+from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, int4_linear, int8_linear
 
 BUCKETS = (1, 2, 4, 8, 16)
 DECODE_ROWS = BUCKETS[-1]
@@ -82,7 +82,8 @@ class LayerWeights:
     wd: torch.Tensor  # [hidden, intermediate]
     norms: tuple[torch.Tensor, ...]  # input, post-attention (pre-norm) | input, post-attn, pre-ff, post-ff (sandwich)
     qk_norms: tuple[torch.Tensor, ...]  # (q_norm, k_norm) weights, or ()
-    # int8 weights (selfspec.quantize): per-output-channel scales of wqkv, wo, wgu, wd; else ().
+    # Quantized weights (selfspec.quantize), for wqkv, wo, wgu, wd: int8's per-output-channel
+    # scales, or int4's group scales and zeros (the w* are then packed uint8); else ().
     scales: tuple[torch.Tensor, ...] = ()
 
 
@@ -131,8 +132,30 @@ def transposed_layout(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def _int4_parts(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed weight and scales/zeros an int4 projection reads (a slice's: its fused matrix's)."""
+    fused = module.fused if isinstance(module, Int4Slice) else module
+    return fused.packed, fused.scales_zeros
+
+
+def _fuse_int4(layer) -> tuple:
+    """wqkv, bqkv, wo, wgu, wd and their scales for a layer quantized by quantize_int4, which
+    already fused q/k/v and gate/up: nothing to concatenate, only to point at."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj
+    biases = [m.bias for m in qkv]
+    bqkv = None if biases[0] is None else (biases[0] if len(biases) == 1 else _share([(m, "bias") for m in qkv]))
+    parts = [_int4_parts(m) for m in (qkv[0], attn.o_proj, gate_up, mlp.down_proj)]
+    (wqkv, _), (wo, _), (wgu, _), (wd, _) = parts
+    return wqkv, bqkv, wo, wgu, wd, tuple(sz for _, sz in parts)
+
+
 def fuse_layer(layer, sandwich: bool) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(attn.o_proj, Int4Linear):
+        wqkv, bqkv, wo, wgu, wd, scales = _fuse_int4(layer)
+        return LayerWeights(wqkv, bqkv, wo, wgu, wd, _norms(layer, sandwich), _qk_norms(attn), scales)
     quantized = isinstance(attn.o_proj, Int8Linear)
     t = transposed_layout(attn.o_proj.weight.dtype)
     scales = ()
@@ -153,13 +176,18 @@ def fuse_layer(layer, sandwich: bool) -> LayerWeights:
     wo, wd = _share([(attn.o_proj, "weight")], t), _share([(mlp.down_proj, "weight")], t)
     if quantized:
         scales = (sqkv, attn.o_proj.scale, sgu, mlp.down_proj.scale)
+    return LayerWeights(wqkv, bqkv, wo, wgu, wd, _norms(layer, sandwich), _qk_norms(attn), scales)
+
+
+def _norms(layer, sandwich: bool) -> tuple[torch.Tensor, ...]:
     if sandwich:
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                 layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
-    else:
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    qk = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else ()
-    return LayerWeights(wqkv, bqkv, wo, wgu, wd, norms, qk, scales)
+        return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+    return layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+
+
+def _qk_norms(attn) -> tuple[torch.Tensor, ...]:
+    return (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else ()
 
 
 # -- the layer function: pure tensors in, tensors out (and the cache written in place) ---------
@@ -184,10 +212,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, transposed: bool, bias=None) -> torch.Tensor:
-    """x · wᵀ (+ bias) for w [out, in]: float weights, or int8 weights with their per-channel
-    scales[i]; x · w for float weights stored [in, out] (transposed)."""
+    """x · wᵀ (+ bias) for w [out, in]: float weights, int8 weights with their per-channel
+    scales[i], or packed int4 weights with their group scales and zeros scales[i]; x · w for float
+    weights stored [in, out] (transposed)."""
     if scales:
-        return int8_linear(x, w, scales[i], bias)
+        return (int4_linear if w.dtype == torch.uint8 else int8_linear)(x, w, scales[i], bias)
     if transposed:
         return x @ w if bias is None else torch.addmm(bias, x, w)
     return F.linear(x, w, bias)
@@ -224,13 +253,16 @@ def layer_forward(
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache.index_copy_(1, pos, k)
         v_cache.index_copy_(1, pos, v)
-        span = mask.shape[1]
+        span, group = mask.shape[1], nh // nkv
+        # The query heads that share a KV head go in as rows of one head ([kv_heads, group·n, ...]):
+        # the same numbers as grouped-query attention, but CPU flash attention parallelises a
+        # single query row badly (SmolLM2, one row: 45 against 93 µs a layer at 128 keys, 162
+        # against 579 at 1024; equal from 2 rows; README, "The lean step").
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k_cache[:, :span].unsqueeze(0), v_cache[:, :span].unsqueeze(0), attn_mask=mask,
-            scale=shape.scale,
-            enable_gqa=nh != nkv,
-        )  # [1, heads, n, head_dim]
-        a = _linear(o[0].transpose(0, 1).reshape(n, nh * hd), wo, scales, 1, shape.transposed)
+            q.reshape(1, nkv, group * n, hd), k_cache[:, :span].unsqueeze(0), v_cache[:, :span].unsqueeze(0),
+            attn_mask=mask.repeat(group, 1) if group > 1 else mask, scale=shape.scale,
+        )  # [1, kv_heads, group·n, head_dim] = [heads, n, head_dim]
+        a = _linear(o.view(nh, n, hd).transpose(0, 1).reshape(n, nh * hd), wo, scales, 1, shape.transposed)
         if shape.sandwich:
             a = _norm(a, norms[1], shape.eps, True)
         h = h + a
@@ -291,7 +323,7 @@ class LeanStep:
             scale=float(adapter.scale), sandwich=sandwich, qk_norm=hasattr(adapter.layers[0].self_attn, "q_norm"),
             eps=float(eps),
             act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None),
-            transposed=transposed_layout(adapter.layers[0].self_attn.o_proj.weight.dtype),
+            transposed=transposed_layout(adapter.dtype),
         )
         self.adapter = adapter
         self.weights = [fuse_layer(layer, sandwich) for layer in adapter.layers]

@@ -169,12 +169,13 @@ def test_compiled_step_drafters_equal_ar(name, dtype):
                           f"{name} {dtype} compiled {options}")
 
 
-def test_int8_smollm2_is_lossless_against_int8_ar():
-    """int8 in exact mode, on the long RAG prompt where a cache sized by γ (so an attention span
-    that differed between AR and speculation) once flipped a tied token at position 8."""
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_smollm2_is_lossless_against_its_own_ar(dtype):
+    """int8 and int4 in exact mode, on the long RAG prompt where a cache sized by γ (so an attention
+    span that differed between AR and speculation) once flipped a tied token at position 8."""
     from selfspec.bench import load_prompts
 
-    model = selfspec.load("smollm2", dtype="int8", progress=False, compile=False, exact=True)
+    model = selfspec.load("smollm2", dtype=dtype, progress=False, compile=False, exact=True)
     ids = model.encode(next(p for p in load_prompts(None, 1) if p.category == "rag").text)
     ar = model.generate(ids, method="ar", max_new_tokens=24)
     assert len(ar.tokens) > 5 and ar.text.strip()

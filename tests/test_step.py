@@ -2,14 +2,17 @@
 compiled and in exact mode, no recompiles across layers, skip sets and context lengths, int8."""
 
 import pytest
+import selfspec
 import torch
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from lossless import PROMPT, REPETITIVE, assert_adapter_matches_transformers, assert_greedy_lossless
 from selfspec.api import EXACT_ROWS, SelfSpecModel
 from selfspec.drafters.base import Draft
 from selfspec.engine import verify_forward
-from selfspec.quantize import Int8Linear, quantize_int8, weight_bytes
+from selfspec.draft_head import PrunedHead
+from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, quantize_int4, quantize_int8, weight_bytes
 from selfspec.step import BUCKETS, bucket
 from tiny_models import ARCHS, tiny_model
 
@@ -151,6 +154,64 @@ def test_int8_weights(arch):
     assert (lean.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
     for options in DRAFTERS:
         assert_greedy_lossless(model, **options)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_weights(arch):
+    hf = tiny_model(arch, dtype=torch.bfloat16)
+    before = weight_bytes(hf)["layers"]
+    originals = [m.weight.detach().float().clone() for m in (hf.model.layers[0].self_attn.o_proj,
+                                                             hf.model.layers[0].mlp.down_proj)]
+    reference = SelfSpecModel(tiny_model(arch, dtype=torch.bfloat16), lean=False)
+    per_layer = 4 if arch == "phi3" else 7  # Phi-3's q/k/v and gate/up are already one module each
+    assert quantize_int4(hf) == per_layer * hf.config.num_hidden_layers
+    layer = hf.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, Int4Linear) and isinstance(hf.lm_head, Int8Linear)
+    if arch != "phi3":
+        assert isinstance(layer.self_attn.k_proj, Int4Slice) and layer.self_attn.k_proj.fused is layer.self_attn.q_proj.fused
+    assert weight_bytes(hf)["layers"] < 0.4 * before  # 4-bit weights plus a bfloat16 scale and zero per 32
+    # Each dequantized weight is within half a group step (plus bfloat16 rounding) of the original.
+    for module, w in zip((layer.self_attn.o_proj, layer.mlp.down_proj), originals):
+        groups = w.view(w.shape[0], -1, 32)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+        assert ((module.weight.float() - w).abs() <= 0.5 * step + 0.02 * w.abs() + 1e-3).all()
+    model = SelfSpecModel(hf)
+    ids = torch.tensor(PROMPT)
+    with torch.inference_mode():
+        a, r = model.adapter, reference.adapter
+        lean = a.head(a.run_layers(a.embed(ids), range(6), 0, a.new_cache(12)))
+        general = a.head(a.run_layers(a.embed(ids), range(6), 0, a.new_cache(12), write=False))
+        full = r.head(r.run_layers(r.embed(ids), range(6), 0, r.new_cache(12)))
+    # The lean step and the general path (the HF modules, now int4 slices) agree; the int4 model
+    # stays near the bfloat16 one (random tiny weights are the worst case for 4 bits).
+    torch.testing.assert_close(lean, general, atol=0.05, rtol=0.02)
+    assert F.cosine_similarity(lean, full, dim=-1).min() > 0.8
+    for options in DRAFTERS:
+        assert_greedy_lossless(model, **options)
+    # A pruned draft head over the int8 head gives the int8 head's own logits for its rows.
+    with torch.inference_mode():
+        h = a.run_layers(a.embed(ids), range(3), 0, a.new_cache(12))
+        subset = PrunedHead(a, torch.arange(0, a.lm_head.out_features, 2)).subset_logits(h)
+        torch.testing.assert_close(subset, a.head(h)[:, ::2], atol=0.05, rtol=0.02)
+
+
+def test_int4_keeps_a_gguf_q4_1_grid():
+    """A weight already on GGUF Q4_1's grid (per 32 inputs: minimum + step · q, q in 0..15) comes back
+    on the same grid, up to bfloat16 rounding of each block's step and minimum."""
+    g = torch.Generator().manual_seed(0)
+    step, low = torch.rand(32, 4, 1, generator=g) * 0.02 + 0.001, torch.randn(32, 4, 1, generator=g) * 0.1
+    q = torch.randint(0, 16, (32, 4, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # every block spans its whole grid, as Q4_1's quantizer makes it
+    w = (low + step * q).view(32, 128)
+    back = Int4Linear.quantize(w, torch.bfloat16).weight.float().view(32, 4, 32)
+    assert ((back - (low + step * q)).abs() <= 0.01 * (low.abs() + 15 * step)).all()
+
+
+def test_int4_refuses_shapes_its_kernel_cannot_run():
+    with pytest.raises(ValueError, match="divisible by 16.*--dtype int8"):
+        Int4Linear.quantize(torch.randn(24, 64), torch.bfloat16)
+    with pytest.raises(ValueError, match="on CUDA use --dtype int8"):
+        selfspec.load("no-such-model", dtype="int4", device="cuda")
 
 
 def test_exact_mode_gives_every_method_the_same_cache():
