@@ -389,7 +389,7 @@ def load(
     `default_dtype`), float32, bfloat16, float16, int8 or int4 (weight-only, bfloat16 activations; see
     selfspec.quantize). compile: compile the decode step (None: `default_compile`). exact: every
     forward in one fixed row bucket, so greedy output is bit-identical to AR by construction (None:
-    on for bfloat16, where it costs 4-10% of a step here, off otherwise; see `default_exact`). lean:
+    on for bfloat16 and int4, off otherwise; see `default_exact`). lean:
     False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path."""
     if dtype == "auto":
         dtype = default_dtype(device)
@@ -435,9 +435,10 @@ def default_dtype(device: str = "cpu") -> str:
 
 
 def default_exact(dtype: str) -> bool:
-    """Exact mode unless asked otherwise where it is cheap: bfloat16, whose 4-row products cost
-    about one row's on the CPUs measured (README)."""
-    return dtype == "bfloat16"
+    """Exact mode unless asked otherwise: bfloat16, whose 4-row products cost about one row's on
+    the CPUs measured, and int4, whose speed is the point of it and whose default mode left AR's
+    output at near ties on 5 of 6 bench prompts here (README, "The lean step")."""
+    return dtype in ("bfloat16", "int4")
 
 
 def default_compile(device: str) -> bool:

@@ -31,7 +31,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="run every forward (AR step, draft, verify) in one fixed 4-row bucket, so that greedy output "
                         "is bit-identical to AR by construction on any CPU or GPU (draft length <= 3; default: on for "
-                        "bfloat16, where it costs 4-10%% of a step here, off for float32 and int8)")
+                        "bfloat16 and int4, off for float32 and int8)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted checkpoints live (default $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec, "
@@ -417,6 +417,7 @@ def _generate(args) -> int:
     )
     _check_options(options)
     _check_model_options(args, options)
+    _check_prompt_length(args, prompt)
     model = _load(args, progress=not args.json)
     stream = model.stream(prompt, **options)
     for chunk in stream:
@@ -535,6 +536,29 @@ def _check_model_options(args, options: dict) -> None:
     exact = default_exact(dtype) if args.exact is None else args.exact
     if exact and options.get("draft_len") is not None:
         check_exact_draft(options["draft_len"])
+
+
+def _check_prompt_length(args, prompt: str) -> None:
+    """Refuse, before the model loads, a prompt whose tokens alone (no chat template yet, so a
+    lower bound) plus --max-new-tokens cannot fit the model's context. Needs the tokenizer and
+    config on disk (a converted bundled model or a checkpoint directory); else the engine checks
+    after loading."""
+    from selfspec.loading import checkpoint_on_disk, peek_config
+
+    root = checkpoint_on_disk(args.model, args.cache_dir)
+    limit = peek_config(args.model, args.cache_dir).get("max_position_embeddings")
+    if root is None or not isinstance(limit, int) or len(prompt.encode()) + args.max_new_tokens <= limit:
+        return  # no tokenizer on disk, or too few bytes to overflow even at a token per byte
+    try:
+        from transformers import AutoTokenizer
+
+        tokens = len(AutoTokenizer.from_pretrained(root)(prompt, add_special_tokens=False)["input_ids"])
+    except (OSError, ValueError):
+        return
+    if tokens + args.max_new_tokens > limit:
+        raise ValueError(f"the prompt ({tokens} tokens before any chat template) + --max-new-tokens "
+                         f"({args.max_new_tokens}) exceeds the model's context of {limit} tokens; shorten the "
+                         "prompt or lower --max-new-tokens")
 
 
 def _check_options(options: dict) -> None:

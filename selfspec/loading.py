@@ -140,17 +140,32 @@ def _bundled(name: str) -> BundledModel | None:
     return None
 
 
-def peek_layers(name_or_path: str | None, cache: Path | None = None) -> int | None:
-    """The model's layer count from a config already on disk (a converted bundled model or a
-    checkpoint directory), without loading anything; None when there is none yet."""
+def checkpoint_on_disk(name_or_path: str | None, cache: Path | None = None) -> Path | None:
+    """The checkpoint directory of a converted bundled model or a checkpoint path, if its
+    config.json is already on disk (nothing is converted or loaded); else None."""
     name_or_path = name_or_path or DEFAULT_MODEL
     bundled = _bundled(name_or_path)
     root = (Path(cache) if cache is not None else cache_root()) / bundled.name if bundled else Path(name_or_path)
+    return root if (root / "config.json").is_file() else None
+
+
+def peek_config(name_or_path: str | None, cache: Path | None = None) -> dict:
+    """The model's config.json as a dict, when already on disk (see checkpoint_on_disk); else {}."""
+    root = checkpoint_on_disk(name_or_path, cache)
     try:
         import json
 
-        return int(json.loads((root / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return json.loads((root / "config.json").read_text()) if root is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def peek_layers(name_or_path: str | None, cache: Path | None = None) -> int | None:
+    """The model's layer count from a config already on disk (a converted bundled model or a
+    checkpoint directory), without loading anything; None when there is none yet."""
+    try:
+        return int(peek_config(name_or_path, cache)["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 

@@ -254,14 +254,17 @@ def layer_forward(
         k_cache.index_copy_(1, pos, k)
         v_cache.index_copy_(1, pos, v)
         span, group = mask.shape[1], nh // nkv
-        # The query heads that share a KV head go in as rows of one head ([kv_heads, group·n, ...]):
-        # the same numbers as grouped-query attention, but CPU flash attention parallelises a
-        # single query row badly (SmolLM2, one row: 45 against 93 µs a layer at 128 keys, 162
-        # against 579 at 1024; equal from 2 rows; README, "The lean step").
-        o = F.scaled_dot_product_attention(
-            q.reshape(1, nkv, group * n, hd), k_cache[:, :span].unsqueeze(0), v_cache[:, :span].unsqueeze(0),
-            attn_mask=mask.repeat(group, 1) if group > 1 else mask, scale=shape.scale,
-        )  # [1, kv_heads, group·n, head_dim] = [heads, n, head_dim]
+        k_span, v_span = k_cache[:, :span].unsqueeze(0), v_cache[:, :span].unsqueeze(0)
+        if group > 1 and q.dtype != torch.float32:
+            # The query heads that share a KV head go in as rows of one head: the same numbers as
+            # grouped-query attention, but CPU flash attention runs a single bfloat16 query row
+            # slowly (SmolLM2, one row: 45 against 93 µs a layer at 128 keys, 162 against 579 at
+            # 1024; equal from 2 rows; float32 is fast either way; README, "The lean step").
+            o = F.scaled_dot_product_attention(q.reshape(1, nkv, group * n, hd), k_span, v_span,
+                                               attn_mask=mask.repeat(group, 1), scale=shape.scale)
+        else:
+            o = F.scaled_dot_product_attention(q.unsqueeze(0), k_span, v_span, attn_mask=mask, scale=shape.scale,
+                                               enable_gqa=group > 1)
         a = _linear(o.view(nh, n, hd).transpose(0, 1).reshape(n, nh * hd), wo, scales, 1, shape.transposed)
         if shape.sandwich:
             a = _norm(a, norms[1], shape.eps, True)

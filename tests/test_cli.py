@@ -103,3 +103,18 @@ def test_exit_layer_and_exact_draft_length_are_checked_before_the_model_loads(tm
     assert out.returncode == 2 and "exit layer must be in 1..6 for this model, got 99" in out.stderr
     out = selfspec("generate", "hi", "--model", str(tmp_path), "--dtype", "bfloat16", "-g", "5")
     assert out.returncode == 2 and "draft length must be at most 3" in out.stderr and "--no-exact" in out.stderr
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_model_loads(tmp_path):
+    """The config and tokenizer on disk are enough: this checkpoint has no weights, so a load
+    would fail with another message."""
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    tiny_model("llama").config.save_pretrained(tmp_path)  # max_position_embeddings 256
+    tiny_tokenizer().save_pretrained(tmp_path)
+    out = selfspec("generate", "w5 " * 300, "--model", str(tmp_path), "-n", "8")
+    assert out.returncode == 2, out.stderr
+    assert "the prompt (300 tokens before any chat template) + --max-new-tokens (8) exceeds the model's context of " \
+           "256 tokens" in out.stderr
+    short = selfspec("generate", "w5 " * 200, "--model", str(tmp_path), "-n", "8")
+    assert short.returncode != 0 and "context" not in short.stderr  # passes the check, then has no weights to load
