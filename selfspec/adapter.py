@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from selfspec import gemv
 from selfspec.cache import KVCache
 from selfspec.moe import routed
 from selfspec.skips import SkipSet
@@ -216,11 +217,20 @@ class ModelAdapter:
         n = h.shape[1]
         if self.exact:  # the head runs the same bucket of rows as every layer (see selfspec.step)
             h = pad_rows(h, self.step.exact_rows, dim=1)
-        return self.head_rows(h)[0, :n]
+        return self.head_rows(h, live=n)[0, :n]
 
-    def head_rows(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden states [B, n, hidden] -> logits [B, n, vocab] in float32."""
-        logits = self.lm_head(self.norm(h)).float()
+    def head_rows(self, h: torch.Tensor, live: int | None = None) -> torch.Tensor:
+        """hidden states [B, n, hidden] -> logits [B, n, vocab] in float32. live: with B = 1, only
+        the first `live` rows are wanted (the rest pad exact mode's bucket); the gemv kernel then
+        computes only those, as its rows do not depend on each other (selfspec.gemv)."""
+        x = self.norm(h)
+        rows = x.reshape(-1, x.shape[-1]) if live is None or x.shape[0] != 1 else x[0, :live]
+        if self.step is not None and self.step.shape.gemv and gemv.supports(rows, self.lm_head.weight):
+            head = self.lm_head  # nn.Linear, or Int8Linear (int4 models): the same kernel as the layers
+            logits = gemv.linear(rows, head.weight, head.bias, getattr(head, "scale", None))
+            logits = logits.view(x.shape[0], -1, logits.shape[-1]).float()
+        else:
+            logits = self.lm_head(x).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

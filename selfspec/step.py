@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from selfspec import gemv
 from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, int4_linear, int8_linear
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -69,6 +70,7 @@ class Shape:
     eps: float
     act: str
     transposed: bool  # float weights stored [in, out] (see transposed_layout)
+    gemv: bool = False  # bfloat16 and int8 products of <= 4 rows through selfspec.gemv's kernel
 
 
 @dataclass
@@ -211,10 +213,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, transposed: bool, bias=None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shape, bias=None, live: int = 0) -> torch.Tensor:
     """x · wᵀ (+ bias) for w [out, in]: float weights, int8 weights with their per-channel
     scales[i], or packed int4 weights with their group scales and zeros scales[i]; x · w for float
-    weights stored [in, out] (transposed)."""
+    weights stored [in, out] (shape.transposed)."""
+    if shape.gemv and live <= gemv.MAX_ROWS and w.dtype in (torch.bfloat16, torch.int8):
+        # Only the live rows: padding rows' outputs are never read by a live row (they attend
+        # and write only to the scratch slot), and each row's result is the same whatever the
+        # row count (selfspec.gemv), so an exact-mode step costs a one-row product.
+        return pad_rows(gemv.linear(x[:live], w, bias, scales[i] if scales else None), x.shape[0])
+    transposed = shape.transposed
     if scales:
         return (int4_linear if w.dtype == torch.uint8 else int8_linear)(x, w, scales[i], bias)
     if transposed:
@@ -237,12 +245,13 @@ def layer_forward(
     shape: Shape,
     do_attn: bool,
     do_mlp: bool,
+    live: int = 0,  # rows before the padding (shape.gemv only; compiled code gets the bucket)
 ) -> torch.Tensor:
     n = h.shape[0]
     nh, nkv, hd = shape.n_heads, shape.n_kv_heads, shape.head_dim
     if do_attn:
         x = _norm(h, norms[0], shape.eps, shape.sandwich)
-        qkv = _linear(x, wqkv, scales, 0, shape.transposed, bqkv)
+        qkv = _linear(x, wqkv, scales, 0, shape, bqkv, live)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(n, nh, hd).transpose(0, 1)  # [heads, n, head_dim]
         k = k.view(n, nkv, hd).transpose(0, 1)
@@ -265,14 +274,14 @@ def layer_forward(
         else:
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k_span, v_span, attn_mask=mask, scale=shape.scale,
                                                enable_gqa=group > 1)
-        a = _linear(o.view(nh, n, hd).transpose(0, 1).reshape(n, nh * hd), wo, scales, 1, shape.transposed)
+        a = _linear(o.view(nh, n, hd).transpose(0, 1).reshape(n, nh * hd), wo, scales, 1, shape, live=live)
         if shape.sandwich:
             a = _norm(a, norms[1], shape.eps, True)
         h = h + a
     if do_mlp:
         x = _norm(h, norms[2] if shape.sandwich else norms[1], shape.eps, shape.sandwich)
-        gate, up = _linear(x, wgu, scales, 2, shape.transposed).chunk(2, dim=-1)
-        m = _linear(ACTIVATIONS[shape.act](gate) * up, wd, scales, 3, shape.transposed)
+        gate, up = _linear(x, wgu, scales, 2, shape, live=live).chunk(2, dim=-1)
+        m = _linear(ACTIVATIONS[shape.act](gate) * up, wd, scales, 3, shape, live=live)
         if shape.sandwich:
             m = _norm(m, norms[3], shape.eps, True)
         h = h + m
@@ -327,6 +336,8 @@ class LeanStep:
             eps=float(eps),
             act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None),
             transposed=transposed_layout(adapter.dtype),
+            # Compiled code keeps PyTorch's products: a ctypes call would break the graph.
+            gemv=not compile and adapter.device.type == "cpu" and adapter.dtype == torch.bfloat16 and gemv.available(),
         )
         self.adapter = adapter
         self.weights = [fuse_layer(layer, sandwich) for layer in adapter.layers]
@@ -394,6 +405,7 @@ class LeanStep:
             x = (self._fn if compiled else layer_forward)(
                 x, pos, masks[spec.window], *ropes[spec.rope], cache.keys[i, 0], cache.values[i, 0],
                 w.wqkv, w.bqkv, w.wo, w.wgu, w.wd, w.norms, w.qk_norms, w.scales, self.shape, do_attn, do_mlp,
+                n if self.shape.gemv else rows,
             )
             if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache); padding to the scratch slot
                 cache.write_exit_states(pos, x)

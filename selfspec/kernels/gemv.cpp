@@ -1,0 +1,101 @@
+// selfspec's one-to-four-row matrix products y = x · Wᵀ (· scale) (+ bias): the weights streamed
+// once, each output element one thread's fixed-order sum (see selfspec/gemv.py for why).
+//
+// W [N, K] row-major: bfloat16 (uint16 bits) or int8 with one scale per output row; x [R, K]
+// bfloat16, R in 1..4; y [R, N] bfloat16, rounded to nearest even. AVX2 + FMA, OpenMP threads.
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+static inline __m256 load8(const int8_t* p) {  // 8 int8 -> 8 float
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+static inline float weight_at(const uint16_t* w, long t) { return bf16_to_float(w[t]); }
+static inline float weight_at(const int8_t* w, long t) { return (float)w[t]; }
+
+static inline float hsum(__m256 v) {  // one fixed order
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Output rows j0..j1 for R input rows; X is x in float32 [R, K].
+template <typename T, int R>
+static void rows(const T* W, const float* X, const uint16_t* scale, const uint16_t* bias, uint16_t* Y,
+                 long j0, long j1, long K, long N) {
+    for (long j = j0; j < j1; j++) {
+        const T* w = W + j * K;
+        __m256 a[R][4];
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < 4; u++) a[r][u] = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 32 <= K; k += 32) {
+            __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
+            for (int r = 0; r < R; r++) {
+                const float* x = X + r * K + k;
+                a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a[r][1]);
+                a[r][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), a[r][2]);
+                a[r][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), a[r][3]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+            for (long t = k; t < K; t++) s += weight_at(w, t) * X[r * K + t];
+            if (scale) s *= bf16_to_float(scale[j]);
+            if (bias) s += bf16_to_float(bias[j]);
+            Y[r * N + j] = float_to_bf16(s);
+        }
+    }
+}
+
+template <typename T>
+static int product(const T* W, const uint16_t* x, const uint16_t* scale, const uint16_t* bias, uint16_t* Y,
+                   long N, long K, int R, int threads, float* X) {
+    if (R < 1 || R > 4) return 1;
+    for (long i = 0; i < R * K; i++) X[i] = bf16_to_float(x[i]);
+    const long chunk = 16;  // output rows per task
+    const long tasks = (N + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < tasks; b++) {
+        long j0 = b * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+        switch (R) {
+            case 1: rows<T, 1>(W, X, scale, bias, Y, j0, j1, K, N); break;
+            case 2: rows<T, 2>(W, X, scale, bias, Y, j0, j1, K, N); break;
+            case 3: rows<T, 3>(W, X, scale, bias, Y, j0, j1, K, N); break;
+            default: rows<T, 4>(W, X, scale, bias, Y, j0, j1, K, N); break;
+        }
+    }
+    return 0;
+}
+
+extern "C" int selfspec_gemv_bf16(const uint16_t* W, const uint16_t* x, const uint16_t* bias, uint16_t* y,
+                                  long N, long K, int R, int threads, float* scratch) {
+    return product<uint16_t>(W, x, nullptr, bias, y, N, K, R, threads, scratch);
+}
+
+extern "C" int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x, const uint16_t* bias,
+                                  uint16_t* y, long N, long K, int R, int threads, float* scratch) {
+    return product<int8_t>(W, x, scale, bias, y, N, K, R, threads, scratch);
+}

@@ -1,0 +1,88 @@
+"""The hand-written one-to-four-row product kernel (selfspec.gemv): right values, and each row's
+result independent of the other rows and of the thread count, which exact mode relies on."""
+
+import pytest
+import torch
+
+from selfspec import gemv
+from selfspec.api import SelfSpecModel
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: the lean step uses PyTorch's kernels")
+
+
+def _reference(x, w, bias=None, scale=None):
+    y = x.float() @ w.float().t()
+    if scale is not None:
+        y = y * scale.float()
+    return y if bias is None else y + bias.float()
+
+
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (37, 100), (5, 31)])  # K % 32 tails, N % 16 tails
+@pytest.mark.parametrize("quantized", [False, True])
+def test_values_match_a_float32_product(out_features, in_features, quantized):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    if quantized:
+        w = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+        scale = (torch.rand(out_features, generator=g) / 100).bfloat16()
+    else:
+        w, scale = torch.randn(out_features, in_features, generator=g).bfloat16(), None
+    for rows in (1, 2, 3, 4):
+        got = gemv.linear(x[:rows], w, bias, scale)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        want = _reference(x[:rows], w, bias, scale)
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 576, generator=g).bfloat16()
+    x = torch.randn(4, 576, generator=g).bfloat16()
+    together = gemv.linear(x, w)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(4):
+                assert torch.equal(gemv.linear(x[r:r + 1], w)[0], together[r])
+                assert torch.equal(gemv.linear(x[r:r + 2], w)[0], together[r])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_more_rows_than_the_kernel_takes_are_refused():
+    with pytest.raises(ValueError, match="takes 1..4 rows"):
+        gemv.linear(torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16))
+
+
+def test_the_lean_step_uses_it_in_bfloat16_eager_and_agrees_with_pytorchs_products(monkeypatch):
+    """bfloat16 eager: on, and the logits stay within bfloat16 rounding of PyTorch's kernels;
+    compiled or float32: off."""
+    ids = torch.arange(3, 15)
+    logits = {}
+    for use in (True, False):
+        monkeypatch.setitem(gemv._STATE, "lib", gemv._STATE["lib"] if use else None)
+        model = SelfSpecModel(tiny_model("llama", dtype=torch.bfloat16))
+        assert model.adapter.step.shape.gemv is use
+        a = model.adapter
+        with torch.inference_mode():
+            cache = a.new_cache(32)
+            a.run_layers(a.embed(ids), range(a.n_layers), 0, cache)
+            logits[use] = a.head(a.run_layers(a.embed(torch.tensor([7])), range(a.n_layers), len(ids), cache))
+    torch.testing.assert_close(logits[True], logits[False], atol=0.1, rtol=0.05)
+    assert not SelfSpecModel(tiny_model("llama")).adapter.step.shape.gemv  # float32
+    assert not SelfSpecModel(tiny_model("llama", dtype=torch.bfloat16), compile=True).adapter.step.shape.gemv
+
+
+def test_a_failed_build_falls_back_to_pytorch_with_a_note(tmp_path, monkeypatch, capsys):
+    broken = tmp_path / "gemv.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gemv, "SOURCE", broken)
+    assert gemv._build() is None
+    assert "could not build the one-row product kernel" in capsys.readouterr().err
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # nothing half-built left behind
+    monkeypatch.setenv("SELFSPEC_GEMV", "0")
+    assert gemv._build() is None
