@@ -7,13 +7,15 @@ about 48 GB/s (README, "The lean step"). This kernel streams the rows of W throu
 per-row float32 accumulators, for up to four input rows at once.
 
 Exactness: every output element is one thread's sum in one fixed order, the same whatever the
-number of rows in the call, the thread count or the x86 CPU (FMA rounds identically on all), so a
-verify's rows equal the AR step's rows bit for bit.
+number of rows in the call or the thread count, so a verify's rows equal the AR step's rows bit for
+bit. (Across CPUs: the AVX2 path rounds alike on every x86 CPU; CPUs with AVX512-BF16 take the
+pair-dot-product path for bfloat16 weights, which rounds its own way.)
 
 Built once per machine with g++ (about a second) into the selfspec cache and loaded with ctypes;
 without g++, AVX2 or FMA, or with SELFSPEC_GEMV=0, `available()` is False and the lean step keeps
-PyTorch's kernels. The eager lean step uses it; compiled code keeps PyTorch's (a ctypes call
-would break the graph).
+PyTorch's kernels. The eager lean step calls it directly (4 µs a call); compiled code calls it as
+the custom op `torch.ops.selfspec.gemv` (9 µs), which torch.compile keeps as one opaque call while
+it fuses the small ops around it.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def _build() -> ctypes.CDLL | None:
         return None
     from selfspec.loading import cache_root
 
-    flags = FLAGS  # AVX2 only: AVX-512 measured no faster here, and AVX2 rounds alike on every x86 CPU
+    # Where the CPU has AVX512-BF16, bfloat16 weights go through its pair dot products (fewer
+    # instructions per weight, so several rows cost little more than one); else AVX2 throughout.
+    flags = FLAGS + (["-mavx512f", "-mavx512bf16"] if "avx512_bf16" in _cpu_flags() else [])
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"gemv-{digest}.so"
@@ -112,6 +116,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if status:
         raise ValueError(f"the one-row product kernel takes 1..{MAX_ROWS} rows, got {rows}")
     return y
+
+
+@torch.library.custom_op("selfspec::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """`linear` as a custom op, for compiled code."""
+    return linear(x, w, bias, scale)
+
+
+@gemv_op.register_fake
+def _(x, w, bias, scale):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def _scratch(n: int) -> torch.Tensor:

@@ -71,6 +71,7 @@ class Shape:
     act: str
     transposed: bool  # float weights stored [in, out] (see transposed_layout)
     gemv: bool = False  # bfloat16 and int8 products of <= 4 rows through selfspec.gemv's kernel
+    compiled: bool = False  # called from compiled code: the kernel as a custom op, all rows of the bucket
 
 
 @dataclass
@@ -221,6 +222,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shap
         # Only the live rows: padding rows' outputs are never read by a live row (they attend
         # and write only to the scratch slot), and each row's result is the same whatever the
         # row count (selfspec.gemv), so an exact-mode step costs a one-row product.
+        if shape.compiled:
+            return torch.ops.selfspec.gemv(x, w, bias, scales[i] if scales else None)
         return pad_rows(gemv.linear(x[:live], w, bias, scales[i] if scales else None), x.shape[0])
     transposed = shape.transposed
     if scales:
@@ -336,8 +339,8 @@ class LeanStep:
             eps=float(eps),
             act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None),
             transposed=transposed_layout(adapter.dtype),
-            # Compiled code keeps PyTorch's products: a ctypes call would break the graph.
-            gemv=not compile and adapter.device.type == "cpu" and adapter.dtype == torch.bfloat16 and gemv.available(),
+            gemv=adapter.device.type == "cpu" and adapter.dtype == torch.bfloat16 and gemv.available(),
+            compiled=compile,
         )
         self.adapter = adapter
         self.weights = [fuse_layer(layer, sandwich) for layer in adapter.layers]
