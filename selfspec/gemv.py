@@ -1,4 +1,4 @@
-"""Hand-written one-to-four-row matrix products for bfloat16 and int8 weights (`kernels/gemv.cpp`).
+"""Hand-written one-to-four-row matrix products for bfloat16, int8 and float32 weights (`kernels/gemv.cpp`).
 
 Why: a decode step is a chain of one-row products (one to four rows in a verify), each reading its
 whole weight matrix once, so its speed is the rate the weights stream at. PyTorch's CPU kernels
@@ -76,7 +76,8 @@ def _build() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.selfspec_gemv_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, ptr]
     lib.selfspec_gemv_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, ptr]
-    lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = i32
+    lib.selfspec_gemv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32]
+    lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = lib.selfspec_gemv_f32.restype = i32
     return lib
 
 
@@ -87,30 +88,37 @@ def available() -> bool:
     return _STATE["lib"] is not None
 
 
+WEIGHTS = {torch.bfloat16: (torch.bfloat16, torch.int8), torch.float32: (torch.float32,)}  # x dtype -> w dtypes
+
+
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether linear(x, w) can run here: CPU bfloat16 rows (at most MAX_ROWS) against a
-    contiguous bfloat16 or int8 weight [out, in]."""
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-            and w.dtype in (torch.bfloat16, torch.int8) and w.dim() == 2 and w.is_contiguous()
+    """Whether linear(x, w) can run here: at most MAX_ROWS CPU rows, bfloat16 against a contiguous
+    bfloat16 or int8 weight [out, in], or float32 against float32."""
+    return (x.device.type == "cpu" and x.dtype in WEIGHTS and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and w.dtype in WEIGHTS[x.dtype] and w.dim() == 2 and w.is_contiguous()
             and w.shape[1] == x.shape[1] and available())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, in] bfloat16 (R <= MAX_ROWS) · wᵀ for w [out, in] bfloat16, or int8 times its
-    per-output scale [out] (bfloat16); plus bias [out] (bfloat16). Returns [R, out] bfloat16."""
+    per-output scale [out] (bfloat16); plus bias [out] (bfloat16). Returns [R, out] bfloat16.
+    Or x, w, bias and the result all float32."""
     rows, inner = x.shape
     out = w.shape[0]
     x = x.contiguous()
-    y = torch.empty(rows, out, dtype=torch.bfloat16)
-    scratch = _scratch(rows * inner)
+    y = torch.empty(rows, out, dtype=x.dtype)
     b = 0 if bias is None else bias.contiguous().data_ptr()
     threads = torch.get_num_threads()
     lib = _STATE["lib"]
-    if w.dtype == torch.int8:
+    if x.dtype == torch.float32:
+        status = lib.selfspec_gemv_f32(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, threads)
+    elif w.dtype == torch.int8:
+        scratch = _scratch(rows * inner)
         status = lib.selfspec_gemv_int8(w.data_ptr(), scale.contiguous().data_ptr(), x.data_ptr(), b, y.data_ptr(),
                                         out, inner, rows, threads, scratch.data_ptr())
     else:
+        scratch = _scratch(rows * inner)
         status = lib.selfspec_gemv_bf16(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, threads,
                                         scratch.data_ptr())
     if status:

@@ -70,7 +70,7 @@ class Shape:
     eps: float
     act: str
     transposed: bool  # float weights stored [in, out] (see transposed_layout)
-    gemv: bool = False  # bfloat16 and int8 products of <= 4 rows through selfspec.gemv's kernel
+    gemv: bool = False  # bfloat16, int8 and float32 products of <= 4 rows through selfspec.gemv's kernel
     compiled: bool = False  # called from compiled code: the kernel as a custom op, all rows of the bucket
 
 
@@ -128,11 +128,11 @@ def _share(modules_weights: list[tuple[torch.nn.Module, str]], transpose: bool =
 
 
 def transposed_layout(dtype: torch.dtype) -> bool:
-    """Store float32 weights [in, out]: this CPU's float32 one-row product x·W runs about twice as
-    fast as x·Wᵀ over [out, in] (scripts/step_costs.py; 19.7 against 36.5 ms for SmolLM2's layers
-    on a 2-core AMD EPYC), which is what every AR step and draft token is. bfloat16 is as fast
-    either way, and int8's kernel wants [out, in]."""
-    return dtype == torch.float32
+    """Store float32 weights [in, out] when PyTorch's products run them: this CPU's float32
+    one-row product x·W runs about twice as fast as x·Wᵀ over [out, in] (scripts/layout_bench.py;
+    19.3 against 36.3 ms for SmolLM2's layers on a 2-core AMD EPYC). selfspec.gemv's kernel, where
+    it runs, reads [out, in] rows; bfloat16 is as fast either way, and int8's kernel wants [out, in]."""
+    return dtype == torch.float32 and not gemv.available()
 
 
 def _int4_parts(module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +218,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shap
     """x · wᵀ (+ bias) for w [out, in]: float weights, int8 weights with their per-channel
     scales[i], or packed int4 weights with their group scales and zeros scales[i]; x · w for float
     weights stored [in, out] (shape.transposed)."""
-    if shape.gemv and live <= gemv.MAX_ROWS and w.dtype in (torch.bfloat16, torch.int8):
+    if shape.gemv and live <= gemv.MAX_ROWS and w.dtype in (torch.bfloat16, torch.int8, torch.float32):
         # Only the live rows: padding rows' outputs are never read by a live row (they attend
         # and write only to the scratch slot), and each row's result is the same whatever the
         # row count (selfspec.gemv), so an exact-mode step costs a one-row product.
@@ -339,7 +339,7 @@ class LeanStep:
             eps=float(eps),
             act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None),
             transposed=transposed_layout(adapter.dtype),
-            gemv=adapter.device.type == "cpu" and adapter.dtype == torch.bfloat16 and gemv.available(),
+            gemv=adapter.device.type == "cpu" and adapter.dtype in gemv.WEIGHTS and gemv.available(),
             compiled=compile,
         )
         self.adapter = adapter

@@ -19,27 +19,31 @@ def _reference(x, w, bias=None, scale=None):
 
 
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (37, 100), (5, 31)])  # K % 32 tails, N % 16 tails
-@pytest.mark.parametrize("quantized", [False, True])
-def test_values_match_a_float32_product(out_features, in_features, quantized):
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "float32"])
+def test_values_match_a_float32_product(out_features, in_features, weights):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, in_features, generator=g).bfloat16()
-    bias = torch.randn(out_features, generator=g).bfloat16()
-    if quantized:
+    dtype = torch.float32 if weights == "float32" else torch.bfloat16
+    x = torch.randn(4, in_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    scale = None
+    if weights == "int8":
         w = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
         scale = (torch.rand(out_features, generator=g) / 100).bfloat16()
     else:
-        w, scale = torch.randn(out_features, in_features, generator=g).bfloat16(), None
+        w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     for rows in (1, 2, 3, 4):
         got = gemv.linear(x[:rows], w, bias, scale)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        assert got.dtype == dtype and got.shape == (rows, out_features)
         want = _reference(x[:rows], w, bias, scale)
-        torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+        torch.testing.assert_close(got.float(), want, atol=tolerance * want.abs().max().item(), rtol=tolerance)
 
 
-def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it(dtype):
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(200, 576, generator=g).bfloat16()
-    x = torch.randn(4, 576, generator=g).bfloat16()
+    w = torch.randn(200, 576, generator=g).to(dtype)
+    x = torch.randn(4, 576, generator=g).to(dtype)
     together = gemv.linear(x, w)
     threads = torch.get_num_threads()
     try:
@@ -58,8 +62,8 @@ def test_more_rows_than_the_kernel_takes_are_refused():
 
 
 def test_the_lean_step_uses_it_in_bfloat16_eager_and_agrees_with_pytorchs_products(monkeypatch):
-    """bfloat16: on (compiled code calls it as a custom op), and the logits stay within bfloat16
-    rounding of PyTorch's kernels; float32: off."""
+    """bfloat16 and float32: on (compiled code calls it as a custom op), and the logits stay within
+    rounding of PyTorch's kernels."""
     ids = torch.arange(3, 15)
     logits = {}
     lib = gemv._STATE["lib"]
@@ -73,7 +77,7 @@ def test_the_lean_step_uses_it_in_bfloat16_eager_and_agrees_with_pytorchs_produc
             a.run_layers(a.embed(ids), range(a.n_layers), 0, cache)
             logits[use] = a.head(a.run_layers(a.embed(torch.tensor([7])), range(a.n_layers), len(ids), cache))
     torch.testing.assert_close(logits[True], logits[False], atol=0.1, rtol=0.05)
-    assert not SelfSpecModel(tiny_model("llama")).adapter.step.shape.gemv  # float32
+    assert SelfSpecModel(tiny_model("llama")).adapter.step.shape.gemv  # float32
     compiled = SelfSpecModel(tiny_model("llama", dtype=torch.bfloat16), compile=True).adapter.step.shape
     assert compiled.gemv and compiled.compiled
 

@@ -2,7 +2,8 @@
 // once, each output element one thread's fixed-order sum (see selfspec/gemv.py for why).
 //
 // W [N, K] row-major: bfloat16 (uint16 bits) or int8 with one scale per output row; x [R, K]
-// bfloat16, R in 1..4; y [R, N] bfloat16, rounded to nearest even. AVX2 + FMA, OpenMP threads.
+// bfloat16, R in 1..4; y [R, N] bfloat16, rounded to nearest even. Or all three float32.
+// AVX2 + FMA (AVX512-BF16 where built for it), OpenMP threads.
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
@@ -139,6 +140,54 @@ static int product(const T* W, const uint16_t* x, const uint16_t* scale, const u
             default: rows<T, 4>(W, X, scale, bias, Y, j0, j1, K, N); break;
         }
 #endif
+    }
+    return 0;
+}
+
+// float32 weights, x and y: the same loop as rows<T, R> without conversions.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <int R>
+static void rows_f32(const float* W, const float* X, const float* bias, float* Y, long j0, long j1, long K, long N) {
+    for (long j = j0; j < j1; j++) {
+        const float* w = W + j * K;
+        __m256 a[R][4];
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < 4; u++) a[r][u] = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 32 <= K; k += 32) {
+            __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
+            for (int r = 0; r < R; r++) {
+                const float* x = X + r * K + k;
+                a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a[r][1]);
+                a[r][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), a[r][2]);
+                a[r][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), a[r][3]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+            for (long t = k; t < K; t++) s += w[t] * X[r * K + t];
+            if (bias) s += bias[j];
+            Y[r * N + j] = s;
+        }
+    }
+}
+
+extern "C" int selfspec_gemv_f32(const float* W, const float* x, const float* bias, float* y, long N, long K, int R,
+                                 int threads) {
+    if (R < 1 || R > 4) return 1;
+    const long chunk = 16;
+    const long tasks = (N + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < tasks; b++) {
+        long j0 = b * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+        switch (R) {
+            case 1: rows_f32<1>(W, x, bias, y, j0, j1, K, N); break;
+            case 2: rows_f32<2>(W, x, bias, y, j0, j1, K, N); break;
+            case 3: rows_f32<3>(W, x, bias, y, j0, j1, K, N); break;
+            default: rows_f32<4>(W, x, bias, y, j0, j1, K, N); break;
+        }
     }
     return 0;
 }
