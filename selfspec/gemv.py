@@ -33,7 +33,7 @@ import torch
 MAX_ROWS = 4
 SOURCE = Path(__file__).with_name("kernels") / "gemv.cpp"
 # No contraction or reassociation beyond the kernel's own FMAs: one fixed rounding per row.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _STATE: dict = {}
 _LOCAL = threading.local()  # each thread's float32 copy of x (the server decodes on worker threads)
 
@@ -55,7 +55,9 @@ def _build() -> ctypes.CDLL | None:
 
     # Where the CPU has AVX512-BF16, bfloat16 weights go through its pair dot products (fewer
     # instructions per weight, so several rows cost little more than one); else AVX2 throughout.
-    flags = FLAGS + (["-mavx512f", "-mavx512bf16"] if "avx512_bf16" in _cpu_flags() else [])
+    # SELFSPEC_GEMV=avx2 keeps AVX2 throughout (the tests check both paths on one machine).
+    pairs = "avx512_bf16" in _cpu_flags() and os.environ.get("SELFSPEC_GEMV") != "avx2"
+    flags = FLAGS + (["-mavx512f", "-mavx512bf16"] if pairs else [])
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"gemv-{digest}.so"

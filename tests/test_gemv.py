@@ -11,6 +11,16 @@ from tiny_models import tiny_model
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: the lean step uses PyTorch's kernels")
 
 
+@pytest.fixture(params=["auto", "avx2"])
+def path(request, monkeypatch):
+    """Each test runs on the kernel this CPU picks and on the AVX2 build (the same where the CPU
+    has no AVX512-BF16)."""
+    if request.param == "avx2":
+        monkeypatch.setenv("SELFSPEC_GEMV", "avx2")
+        monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
+    return request.param
+
+
 def _reference(x, w, bias=None, scale=None):
     y = x.float() @ w.float().t()
     if scale is not None:
@@ -20,7 +30,7 @@ def _reference(x, w, bias=None, scale=None):
 
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (37, 100), (5, 31)])  # K % 32 tails, N % 16 tails
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "float32"])
-def test_values_match_a_float32_product(out_features, in_features, weights):
+def test_values_match_a_float32_product(out_features, in_features, weights, path):
     g = torch.Generator().manual_seed(0)
     dtype = torch.float32 if weights == "float32" else torch.bfloat16
     x = torch.randn(4, in_features, generator=g).to(dtype)
@@ -40,7 +50,7 @@ def test_values_match_a_float32_product(out_features, in_features, weights):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it(dtype):
+def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it(dtype, path):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(200, 576, generator=g).to(dtype)
     x = torch.randn(4, 576, generator=g).to(dtype)

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 static inline float bf16_to_float(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -31,8 +32,14 @@ static inline __m256 load8(const int8_t* p) {  // 8 int8 -> 8 float
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-static inline float weight_at(const uint16_t* w, long t) { return bf16_to_float(w[t]); }
-static inline float weight_at(const int8_t* w, long t) { return (float)w[t]; }
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// Element t as a float, and a float stored as an element: bfloat16 (uint16 bits), int8, float32.
+static inline float value(const uint16_t* p, long t) { return bf16_to_float(p[t]); }
+static inline float value(const int8_t* p, long t) { return (float)p[t]; }
+static inline float value(const float* p, long t) { return p[t]; }
+static inline void store(uint16_t* p, long t, float v) { p[t] = float_to_bf16(v); }
+static inline void store(float* p, long t, float v) { p[t] = v; }
 
 static inline float hsum(__m256 v) {  // one fixed order
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -42,9 +49,9 @@ static inline float hsum(__m256 v) {  // one fixed order
 }
 
 // Output rows j0..j1 for R input rows; X is x in float32 [R, K].
-template <typename T, int R>
-static void rows(const T* W, const float* X, const uint16_t* scale, const uint16_t* bias, uint16_t* Y,
-                 long j0, long j1, long K, long N) {
+template <typename T, typename E, int R>
+static void rows(const T* W, const float* X, const uint16_t* scale, const E* bias, E* Y, long j0, long j1, long K,
+                 long N) {
     for (long j = j0; j < j1; j++) {
         const T* w = W + j * K;
         __m256 a[R][4];
@@ -63,10 +70,10 @@ static void rows(const T* W, const float* X, const uint16_t* scale, const uint16
         }
         for (int r = 0; r < R; r++) {
             float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
-            for (long t = k; t < K; t++) s += weight_at(w, t) * X[r * K + t];
+            for (long t = k; t < K; t++) s += value(w, t) * X[r * K + t];
             if (scale) s *= bf16_to_float(scale[j]);
-            if (bias) s += bf16_to_float(bias[j]);
-            Y[r * N + j] = float_to_bf16(s);
+            if (bias) s += value(bias, j);
+            store(Y, r * N + j, s);
         }
     }
 }
@@ -104,7 +111,7 @@ static void rows_pairs(const T* W, const uint16_t* x, const uint16_t* scale, con
             __m512 v = _mm512_add_ps(a[r][0], a[r][1]);
             __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
             float s = hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high));
-            for (long t = k; t < K; t++) s += weight_at(w, t) * bf16_to_float(x[r * K + t]);
+            for (long t = k; t < K; t++) s += value(w, t) * bf16_to_float(x[r * K + t]);
             if (scale) s *= bf16_to_float(scale[j]);
             if (bias) s += bf16_to_float(bias[j]);
             Y[r * N + j] = float_to_bf16(s);
@@ -113,91 +120,59 @@ static void rows_pairs(const T* W, const uint16_t* x, const uint16_t* scale, con
 }
 #endif
 
-template <typename T>
-static int product(const T* W, const uint16_t* x, const uint16_t* scale, const uint16_t* bias, uint16_t* Y,
-                   long N, long K, int R, int threads, float* X) {
+// x, bias and y of element type E: bfloat16 with bfloat16 or int8 weights, float32 with float32.
+template <typename T, typename E>
+static int product(const T* W, const E* x, const uint16_t* scale, const E* bias, E* Y, long N, long K, int R,
+                   int threads, float* X) {
     if (R < 1 || R > 4) return 1;
-#ifndef __AVX512BF16__
-    for (long i = 0; i < R * K; i++) X[i] = bf16_to_float(x[i]);
+    constexpr bool pairs =
+#ifdef __AVX512BF16__
+        std::is_same<E, uint16_t>::value;
+#else
+        false;
 #endif
+    if constexpr (std::is_same<E, float>::value) {
+        X = (float*)x;  // already float32
+    } else if constexpr (!pairs) {
+        for (long i = 0; i < R * K; i++) X[i] = bf16_to_float(x[i]);
+    }
     const long chunk = 16;  // output rows per task
     const long tasks = (N + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < tasks; b++) {
         long j0 = b * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+        if constexpr (pairs) {
 #ifdef __AVX512BF16__
-        switch (R) {
-            case 1: rows_pairs<T, 1>(W, x, scale, bias, Y, j0, j1, K, N); break;
-            case 2: rows_pairs<T, 2>(W, x, scale, bias, Y, j0, j1, K, N); break;
-            case 3: rows_pairs<T, 3>(W, x, scale, bias, Y, j0, j1, K, N); break;
-            default: rows_pairs<T, 4>(W, x, scale, bias, Y, j0, j1, K, N); break;
-        }
-#else
-        switch (R) {
-            case 1: rows<T, 1>(W, X, scale, bias, Y, j0, j1, K, N); break;
-            case 2: rows<T, 2>(W, X, scale, bias, Y, j0, j1, K, N); break;
-            case 3: rows<T, 3>(W, X, scale, bias, Y, j0, j1, K, N); break;
-            default: rows<T, 4>(W, X, scale, bias, Y, j0, j1, K, N); break;
-        }
+            switch (R) {
+                case 1: rows_pairs<T, 1>(W, x, scale, bias, Y, j0, j1, K, N); break;
+                case 2: rows_pairs<T, 2>(W, x, scale, bias, Y, j0, j1, K, N); break;
+                case 3: rows_pairs<T, 3>(W, x, scale, bias, Y, j0, j1, K, N); break;
+                default: rows_pairs<T, 4>(W, x, scale, bias, Y, j0, j1, K, N); break;
+            }
 #endif
-    }
-    return 0;
-}
-
-// float32 weights, x and y: the same loop as rows<T, R> without conversions.
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-template <int R>
-static void rows_f32(const float* W, const float* X, const float* bias, float* Y, long j0, long j1, long K, long N) {
-    for (long j = j0; j < j1; j++) {
-        const float* w = W + j * K;
-        __m256 a[R][4];
-        for (int r = 0; r < R; r++)
-            for (int u = 0; u < 4; u++) a[r][u] = _mm256_setzero_ps();
-        long k = 0;
-        for (; k + 32 <= K; k += 32) {
-            __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
-            for (int r = 0; r < R; r++) {
-                const float* x = X + r * K + k;
-                a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a[r][0]);
-                a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a[r][1]);
-                a[r][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), a[r][2]);
-                a[r][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), a[r][3]);
+        } else {
+            switch (R) {
+                case 1: rows<T, E, 1>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                case 2: rows<T, E, 2>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                case 3: rows<T, E, 3>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                default: rows<T, E, 4>(W, X, scale, bias, Y, j0, j1, K, N); break;
             }
         }
-        for (int r = 0; r < R; r++) {
-            float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
-            for (long t = k; t < K; t++) s += w[t] * X[r * K + t];
-            if (bias) s += bias[j];
-            Y[r * N + j] = s;
-        }
     }
+    return 0;
 }
 
 extern "C" int selfspec_gemv_f32(const float* W, const float* x, const float* bias, float* y, long N, long K, int R,
                                  int threads) {
-    if (R < 1 || R > 4) return 1;
-    const long chunk = 16;
-    const long tasks = (N + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < tasks; b++) {
-        long j0 = b * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
-        switch (R) {
-            case 1: rows_f32<1>(W, x, bias, y, j0, j1, K, N); break;
-            case 2: rows_f32<2>(W, x, bias, y, j0, j1, K, N); break;
-            case 3: rows_f32<3>(W, x, bias, y, j0, j1, K, N); break;
-            default: rows_f32<4>(W, x, bias, y, j0, j1, K, N); break;
-        }
-    }
-    return 0;
+    return product<float, float>(W, x, nullptr, bias, y, N, K, R, threads, nullptr);
 }
 
 extern "C" int selfspec_gemv_bf16(const uint16_t* W, const uint16_t* x, const uint16_t* bias, uint16_t* y,
                                   long N, long K, int R, int threads, float* scratch) {
-    return product<uint16_t>(W, x, nullptr, bias, y, N, K, R, threads, scratch);
+    return product<uint16_t, uint16_t>(W, x, nullptr, bias, y, N, K, R, threads, scratch);
 }
 
 extern "C" int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x, const uint16_t* bias,
                                   uint16_t* y, long N, long K, int R, int threads, float* scratch) {
-    return product<int8_t>(W, x, scale, bias, y, N, K, R, threads, scratch);
+    return product<int8_t, uint16_t>(W, x, scale, bias, y, N, K, R, threads, scratch);
 }
