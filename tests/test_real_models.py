@@ -186,7 +186,10 @@ def test_quantized_smollm2_is_lossless_against_its_own_ar(dtype):
 def test_gemma3_default_bfloat16_exact_drafters_equal_ar():
     """Gemma 3 as `selfspec generate --model gemma3` runs it on a bf16-capable CPU: bfloat16, exact
     mode (sliding windows, per-layer rope, tied 262k head): every drafter identical to AR."""
+    from selfspec.profiles import shipped_choice
+
     model = selfspec.load("gemma3", dtype="bfloat16", progress=False, exact=True)
+    assert shipped_choice(model.identity, "bfloat16")["method"] == "lookup"  # auto's choice matches the conversion
     ids = model.encode("The capital of France is Paris. The capital of Italy is Rome. The capital of", chat=False)
     ar = model.generate(ids, method="ar", max_new_tokens=24)
     for options in (dict(exit_layer=12, draft_len=3), dict(method="lookup", draft_len=3),
