@@ -72,6 +72,11 @@ class Shape:
     transposed: bool  # float weights stored [in, out] (see transposed_layout)
     gemv: bool = False  # bfloat16, int8 and float32 products of <= 4 rows through selfspec.gemv's kernel
     compiled: bool = False  # called from compiled code: the kernel as a custom op, all rows of the bucket
+    # Attention takes the query heads that share a KV head as rows of one head: the same numbers as
+    # grouped-query attention, but CPU flash attention runs a single bfloat16 query row slowly
+    # (SmolLM2, one row: 45 against 93 µs a layer at 128 keys, 162 against 579 at 1024; equal from
+    # 2 rows; float32 is fast either way; README, "The lean step"). The mask comes folded too.
+    fold: bool = False
 
 
 @dataclass
@@ -256,24 +261,21 @@ def layer_forward(
         x = _norm(h, norms[0], shape.eps, shape.sandwich)
         qkv = _linear(x, wqkv, scales, 0, shape, bqkv, live)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(n, nh, hd).transpose(0, 1)  # [heads, n, head_dim]
-        k = k.view(n, nkv, hd).transpose(0, 1)
-        v = v.view(n, nkv, hd).transpose(0, 1)
+        v = v.view(n, nkv, hd).transpose(0, 1)  # [kv_heads, n, head_dim]
         if shape.qk_norm:
-            q = _norm(q, qk_norms[0], shape.eps, shape.sandwich)
-            k = _norm(k, qk_norms[1], shape.eps, shape.sandwich)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q = _norm(q.view(n, nh, hd).transpose(0, 1), qk_norms[0], shape.eps, shape.sandwich)
+            k = _norm(k.view(n, nkv, hd).transpose(0, 1), qk_norms[1], shape.eps, shape.sandwich)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        else:  # q and k rotated in one pass: the same arithmetic per element, half the small ops
+            qk = _rotate(qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd), cos[:, None], sin[:, None])
+            q, k = qk[:, :nh].transpose(0, 1), qk[:, nh:].transpose(0, 1)  # [heads, n, head_dim]
         k_cache.index_copy_(1, pos, k)
         v_cache.index_copy_(1, pos, v)
         span, group = mask.shape[1], nh // nkv
         k_span, v_span = k_cache[:, :span].unsqueeze(0), v_cache[:, :span].unsqueeze(0)
-        if group > 1 and q.dtype != torch.float32:
-            # The query heads that share a KV head go in as rows of one head: the same numbers as
-            # grouped-query attention, but CPU flash attention runs a single bfloat16 query row
-            # slowly (SmolLM2, one row: 45 against 93 µs a layer at 128 keys, 162 against 579 at
-            # 1024; equal from 2 rows; float32 is fast either way; README, "The lean step").
+        if shape.fold:  # mask: already [group·n, span] (see LeanStep.run)
             o = F.scaled_dot_product_attention(q.reshape(1, nkv, group * n, hd), k_span, v_span,
-                                               attn_mask=mask.repeat(group, 1), scale=shape.scale)
+                                               attn_mask=mask, scale=shape.scale)
         else:
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k_span, v_span, attn_mask=mask, scale=shape.scale,
                                                enable_gqa=group > 1)
@@ -341,6 +343,7 @@ class LeanStep:
             transposed=transposed_layout(adapter.dtype),
             gemv=adapter.device.type == "cpu" and adapter.dtype in gemv.WEIGHTS and gemv.available(),
             compiled=compile,
+            fold=adapter.n_heads > adapter.n_kv_heads and adapter.dtype != torch.float32,
         )
         self.adapter = adapter
         self.weights = [fuse_layer(layer, sandwich) for layer in adapter.layers]
@@ -389,6 +392,8 @@ class LeanStep:
                 allowed = kv_pos.view(1, -1) <= pos.view(-1, 1)
                 if spec.window is not None:
                     allowed &= kv_pos.view(1, -1) > pos.view(-1, 1) - spec.window
+                if self.shape.fold:  # one row per query head of a KV group (see Shape.fold)
+                    allowed = allowed.repeat(self.shape.n_heads // self.shape.n_kv_heads, 1)
                 static(allowed, 0)
                 if compiled:
                     torch._dynamo.maybe_mark_dynamic(allowed, 1)  # exact mode: the span is the whole cache
