@@ -76,9 +76,9 @@ def _build() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(target))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.selfspec_gemv_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, ptr]
-    lib.selfspec_gemv_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, ptr]
-    lib.selfspec_gemv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32]
+    lib.selfspec_gemv_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
+    lib.selfspec_gemv_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
+    lib.selfspec_gemv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32]
     lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = lib.selfspec_gemv_f32.restype = i32
     return lib
 
@@ -102,27 +102,29 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, rows_out: int | None = None) -> torch.Tensor:
     """x [R, in] bfloat16 (R <= MAX_ROWS) · wᵀ for w [out, in] bfloat16, or int8 times its
     per-output scale [out] (bfloat16); plus bias [out] (bfloat16). Returns [R, out] bfloat16.
-    Or x, w, bias and the result all float32."""
+    Or x, w, bias and the result all float32. rows_out > R: the result has rows_out rows, the
+    extra ones copies of row R - 1 (the padding of exact mode's row bucket)."""
     rows, inner = x.shape
     out = w.shape[0]
+    rows_out = rows if rows_out is None else rows_out
     x = x.contiguous()
-    y = torch.empty(rows, out, dtype=x.dtype)
+    y = torch.empty(rows_out, out, dtype=x.dtype)
     b = 0 if bias is None else bias.contiguous().data_ptr()
     threads = torch.get_num_threads()
     lib = _STATE["lib"]
     if x.dtype == torch.float32:
-        status = lib.selfspec_gemv_f32(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, threads)
-    elif w.dtype == torch.int8:
-        scratch = _scratch(rows * inner)
-        status = lib.selfspec_gemv_int8(w.data_ptr(), scale.contiguous().data_ptr(), x.data_ptr(), b, y.data_ptr(),
-                                        out, inner, rows, threads, scratch.data_ptr())
+        status = lib.selfspec_gemv_f32(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, rows_out, threads)
     else:
-        scratch = _scratch(rows * inner)
-        status = lib.selfspec_gemv_bf16(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, threads,
-                                        scratch.data_ptr())
+        scratch = _scratch(rows * inner).data_ptr()
+        if w.dtype == torch.int8:
+            status = lib.selfspec_gemv_int8(w.data_ptr(), scale.contiguous().data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner,
+                                            rows, rows_out, threads, scratch)
+        else:
+            status = lib.selfspec_gemv_bf16(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, rows_out,
+                                            threads, scratch)
     if status:
         raise ValueError(f"the one-row product kernel takes 1..{MAX_ROWS} rows, got {rows}")
     return y

@@ -152,8 +152,7 @@ def _fuse_int4(layer) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
     gate_up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj
-    biases = [m.bias for m in qkv]
-    bqkv = None if biases[0] is None else (biases[0] if len(biases) == 1 else _share([(m, "bias") for m in qkv]))
+    bqkv = _share([(m, "bias") for m in qkv])  # None without biases
     parts = [_int4_parts(m) for m in (qkv[0], attn.o_proj, gate_up, mlp.down_proj)]
     (wqkv, _), (wo, _), (wgu, _), (wd, _) = parts
     return wqkv, bqkv, wo, wgu, wd, tuple(sz for _, sz in parts)
@@ -219,17 +218,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shape, bias=None, live: int = 0) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shape, bias=None,
+            live: int | None = None) -> torch.Tensor:
     """x · wᵀ (+ bias) for w [out, in]: float weights, int8 weights with their per-channel
     scales[i], or packed int4 weights with their group scales and zeros scales[i]; x · w for float
-    weights stored [in, out] (shape.transposed)."""
+    weights stored [in, out] (shape.transposed). live: the rows before exact mode's padding."""
+    live = x.shape[0] if live is None else live
     if shape.gemv and live <= gemv.MAX_ROWS and w.dtype in (torch.bfloat16, torch.int8, torch.float32):
-        # Only the live rows: padding rows' outputs are never read by a live row (they attend
-        # and write only to the scratch slot), and each row's result is the same whatever the
-        # row count (selfspec.gemv), so an exact-mode step costs a one-row product.
-        if shape.compiled:
-            return torch.ops.selfspec.gemv(x, w, bias, scales[i] if scales else None)
-        return pad_rows(gemv.linear(x[:live], w, bias, scales[i] if scales else None), x.shape[0])
+        scale = scales[i] if scales else None
+        if shape.compiled:  # the custom op, over every row of the bucket
+            return torch.ops.selfspec.gemv(x, w, bias, scale)
+        # Only the live rows, the padding rows' outputs copied from the last live one: no live
+        # row reads a padding row (they attend and write only to the scratch slot), and each
+        # row's result is the same whatever the row count (selfspec.gemv), so an exact-mode step
+        # costs a one-row product.
+        return gemv.linear(x[:live], w, bias, scale, rows_out=x.shape[0])
     transposed = shape.transposed
     if scales:
         return (int4_linear if w.dtype == torch.uint8 else int8_linear)(x, w, scales[i], bias)
@@ -253,7 +256,7 @@ def layer_forward(
     shape: Shape,
     do_attn: bool,
     do_mlp: bool,
-    live: int = 0,  # rows before the padding (shape.gemv only; compiled code gets the bucket)
+    live: int | None = None,  # rows before the padding (None: all; compiled code gets the bucket)
 ) -> torch.Tensor:
     n = h.shape[0]
     nh, nkv, hd = shape.n_heads, shape.n_kv_heads, shape.head_dim

@@ -47,6 +47,8 @@ def test_values_match_a_float32_product(out_features, in_features, weights, path
         assert got.dtype == dtype and got.shape == (rows, out_features)
         want = _reference(x[:rows], w, bias, scale)
         torch.testing.assert_close(got.float(), want, atol=tolerance * want.abs().max().item(), rtol=tolerance)
+        padded = gemv.linear(x[:rows], w, bias, scale, rows_out=4)  # exact mode's bucket: copies of the last row
+        assert torch.equal(padded[:rows], got) and torch.equal(padded[rows:], got[-1:].expand(4 - rows, -1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

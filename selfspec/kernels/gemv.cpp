@@ -2,7 +2,8 @@
 // once, each output element one thread's fixed-order sum (see selfspec/gemv.py for why).
 //
 // W [N, K] row-major: bfloat16 (uint16 bits) or int8 with one scale per output row; x [R, K]
-// bfloat16, R in 1..4; y [R, N] bfloat16, rounded to nearest even. Or all three float32.
+// bfloat16, R in 1..4; y [R_out, N] bfloat16, rounded to nearest even (rows past R copy row R - 1).
+// Or all three float32.
 // AVX2 + FMA (AVX512-BF16 where built for it), OpenMP threads.
 #include <immintrin.h>
 #include <cstdint>
@@ -122,9 +123,9 @@ static void rows_pairs(const T* W, const uint16_t* x, const uint16_t* scale, con
 
 // x, bias and y of element type E: bfloat16 with bfloat16 or int8 weights, float32 with float32.
 template <typename T, typename E>
-static int product(const T* W, const E* x, const uint16_t* scale, const E* bias, E* Y, long N, long K, int R,
+static int product(const T* W, const E* x, const uint16_t* scale, const E* bias, E* Y, long N, long K, int R, int R_out,
                    int threads, float* X) {
-    if (R < 1 || R > 4) return 1;
+    if (R < 1 || R > 4 || R_out < R) return 1;
     constexpr bool pairs =
 #ifdef __AVX512BF16__
         std::is_same<E, uint16_t>::value;
@@ -159,20 +160,23 @@ static int product(const T* W, const E* x, const uint16_t* scale, const E* bias,
             }
         }
     }
+    // Rows R..R_out-1 pad a fixed row bucket (exact mode): copies of the last computed row, as
+    // selfspec.step pads its inputs, so the caller needs no second tensor.
+    for (int r = R; r < R_out; r++) memcpy(Y + (long)r * N, Y + (long)(R - 1) * N, N * sizeof(E));
     return 0;
 }
 
 extern "C" int selfspec_gemv_f32(const float* W, const float* x, const float* bias, float* y, long N, long K, int R,
-                                 int threads) {
-    return product<float, float>(W, x, nullptr, bias, y, N, K, R, threads, nullptr);
+                                 int R_out, int threads) {
+    return product<float, float>(W, x, nullptr, bias, y, N, K, R, R_out, threads, nullptr);
 }
 
 extern "C" int selfspec_gemv_bf16(const uint16_t* W, const uint16_t* x, const uint16_t* bias, uint16_t* y,
-                                  long N, long K, int R, int threads, float* scratch) {
-    return product<uint16_t, uint16_t>(W, x, nullptr, bias, y, N, K, R, threads, scratch);
+                                  long N, long K, int R, int R_out, int threads, float* scratch) {
+    return product<uint16_t, uint16_t>(W, x, nullptr, bias, y, N, K, R, R_out, threads, scratch);
 }
 
 extern "C" int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x, const uint16_t* bias,
-                                  uint16_t* y, long N, long K, int R, int threads, float* scratch) {
-    return product<int8_t, uint16_t>(W, x, scale, bias, y, N, K, R, threads, scratch);
+                                  uint16_t* y, long N, long K, int R, int R_out, int threads, float* scratch) {
+    return product<int8_t, uint16_t>(W, x, scale, bias, y, N, K, R, R_out, threads, scratch);
 }
