@@ -1,10 +1,10 @@
-"""Hand-written one-to-four-row matrix products for bfloat16, int8 and float32 weights (`kernels/gemv.cpp`).
+"""Hand-written few-row matrix products for bfloat16, int8 and float32 weights (`kernels/gemv.cpp`).
 
 Why: a decode step is a chain of one-row products (one to four rows in a verify), each reading its
 whole weight matrix once, so its speed is the rate the weights stream at. PyTorch's CPU kernels
 for one bfloat16 or int8 row stream at 13-15 GB/s on 2 threads here, where the machine reads
 about 48 GB/s (README, "The lean step"). This kernel streams the rows of W through AVX2 FMAs into
-per-row float32 accumulators, for up to four input rows at once.
+per-row float32 accumulators, for up to four input rows per pass (up to MAX_ROWS in all).
 
 Exactness: every output element is one thread's sum in one fixed order, the same whatever the
 number of rows in the call or the thread count, so a verify's rows equal the AR step's rows bit for
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-MAX_ROWS = 4
-SOURCE = Path(__file__).with_name("kernels") / "gemv.cpp"
+MAX_ROWS = 16  # four per pass over the weights (kernels/product.h)
+KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "gemv.cpp"  # and the fused layer (layer.cpp), both over product.h, in one library
 # No contraction or reassociation beyond the kernel's own FMAs: one fixed rounding per row.
 FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _STATE: dict = {}
@@ -58,15 +59,16 @@ def _build() -> ctypes.CDLL | None:
     # SELFSPEC_GEMV=avx2 keeps AVX2 throughout (the tests check both paths on one machine).
     pairs = "avx512_bf16" in _cpu_flags() and os.environ.get("SELFSPEC_GEMV") != "avx2"
     flags = FLAGS + (["-mavx512f", "-mavx512bf16"] if pairs else [])
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    sources = [SOURCE, SOURCE.with_name("layer.cpp")]
+    text = b"".join(path.read_bytes() for path in [*sources, SOURCE.with_name("product.h")])
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"gemv-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = target.with_suffix(f".{os.getpid()}.tmp")
         try:
-            subprocess.run(["g++", *flags, "-o", str(scratch), str(SOURCE)], check=True, capture_output=True,
-                           timeout=120)
+            subprocess.run(["g++", *flags, "-o", str(scratch), *map(str, sources)], check=True,
+                           capture_output=True, timeout=120)
             scratch.replace(target)  # atomic: a concurrent process sees the whole library or none
         except (OSError, subprocess.SubprocessError) as err:
             scratch.unlink(missing_ok=True)
@@ -80,6 +82,8 @@ def _build() -> ctypes.CDLL | None:
     lib.selfspec_gemv_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
     lib.selfspec_gemv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32]
     lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = lib.selfspec_gemv_f32.restype = i32
+    lib.selfspec_layer.argtypes = [ptr, ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
+    lib.selfspec_layer.restype = i32
     return lib
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec import gemv
+from selfspec import fused_layer, gemv
 from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, int4_linear, int8_linear
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -354,6 +354,8 @@ class LeanStep:
         self.exact_rows = exact_rows
         self._fn = compiled_layer(adapter.device.type, backend) if compile else layer_forward
         self._seen: set[tuple[int, bool, bool]] = set()
+        # Decode forwards of up to fused_layer.ROWS rows as one kernel call per layer, where it runs.
+        self.fused = fused_layer.FusedLayers(self) if fused_layer.unsupported_reason(self) is None else None
 
     def rows(self, n: int) -> int:
         """The row bucket n rows run in. More rows than any decode forward has (a prefill) run
@@ -373,6 +375,8 @@ class LeanStep:
         slot = cache.capacity - 1  # the scratch slot padding rows write to
         if start + n > slot:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
+        if self.fused is not None and n <= fused_layer.ROWS:  # no padding: rows never meet there
+            return self.fused.run(h, layers, start, cache, skip)
         x = pad_rows(h[0], rows)
         pos = torch.arange(start, start + rows, device=x.device)
         pos[n:] = slot

@@ -1,0 +1,213 @@
+// One decoder layer for one to sixteen rows in one call (see selfspec/fused_layer.py for why):
+// norm, fused QKV product, rotary, cache write, attention over the cache, O product and residual,
+// norm, gate/up product, activation, down product and residual. Pre-norm (Llama, Qwen2) and
+// sandwich (Gemma 3) layouts, optional per-head q/k norms and a sliding window.
+//
+// Every row's arithmetic is its own, in one fixed order whatever the number of rows in the call
+// and the thread count: products through product.h four rows at a time, attention one (row, head)
+// per task over that row's own keys. So a verify's rows are the AR step's rows bit for bit.
+//
+// Elementwise steps round as PyTorch's bfloat16 ops do (each op's result rounded once), so the
+// layer stays within rounding of the HF modules; E is bfloat16 (uint16 bits) or float.
+#include "product.h"
+
+#include <cmath>
+#include <vector>
+
+struct Dims {
+    long hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    int act;       // 0: SiLU, 1: GELU (tanh approximation)
+    int sandwich;  // Gemma 3: (1 + w) norms in float32, and norms after attention and the MLP
+    int qk_norm;   // per-head norms on q and k before rotary
+};
+
+struct Weights {
+    const void *wqkv, *bqkv, *wo, *wgu, *wd;         // [out, in]; bqkv may be null
+    const uint16_t *sqkv, *so, *sgu, *sd;            // int8's per-output-row scales, else null
+    const void *norm_in, *norm_attn, *norm_ff, *norm_post;  // pre-norm: norm_in and norm_ff only
+    const void *q_norm, *k_norm;                     // [head_dim], or null
+};
+
+static inline float get(const uint16_t* p, long i) { return bf16_to_float(p[i]); }
+static inline float get(const float* p, long i) { return p[i]; }
+static inline void put(uint16_t* p, long i, float v) { p[i] = float_to_bf16(v); }
+static inline void put(float* p, long i, float v) { p[i] = v; }
+// v rounded to E, as a float: what one PyTorch op in dtype E would leave.
+template <typename E> static inline float rnd(float v) {
+    if constexpr (std::is_same<E, float>::value) return v; else return bf16_to_float(float_to_bf16(v));
+}
+
+// e^x on 8 lanes (Cephes' polynomial, ~1 ulp): the same result for a value wherever it sits.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    const float c[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    for (float ci : c) y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(ci));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(x, x)), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static void exp_inplace(float* x, long n) {  // the tail through a padded vector: same per element
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+    if (i < n) {
+        float t[8] = {0};
+        for (long j = i; j < n; j++) t[j - i] = x[j];
+        _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
+        for (long j = i; j < n; j++) x[j] = t[j - i];
+    }
+}
+
+// RMSNorm of one row x [dim] into out: Llama's (statistics in float32, normalised row rounded to
+// E, times w in E), or with gemma, (1 + w) applied in float32 and rounded once.
+template <typename E>
+static void norm(const E* x, const E* w, E* out, long dim, float eps, bool gemma) {
+    float ss = 0.0f;
+    for (long i = 0; i < dim; i++) ss += get(x, i) * get(x, i);
+    float r = 1.0f / std::sqrt(ss / (float)dim + eps);
+    for (long i = 0; i < dim; i++) {
+        float v = get(x, i) * r;
+        if (gemma) put(out, i, v * (1.0f + get(w, i)));
+        else if constexpr (std::is_same<E, float>::value) put(out, i, v * get(w, i));
+        else put(out, i, rnd<E>(get(w, i) * rnd<E>(v)));
+    }
+}
+
+// y [n, N] = x [n, K] · Wᵀ (product.h).
+template <typename T, typename E>
+static void linear(const void* W, const E* x, const uint16_t* scale, const void* bias, E* y, long N, long K, int n,
+                   int threads, float* X) {
+    product<T, E>((const T*)W, x, scale, (const E*)bias, y, N, K, n, n, threads, X);
+}
+
+// Rotary embedding of one head's row in place, as HF's q·cos + rotate_half(q)·sin in dtype E.
+template <typename E>
+static void rotate(E* x, const E* cos, const E* sin, long hd) {
+    long half = hd / 2;
+    float t[512];
+    for (long i = 0; i < hd; i++) {
+        float other = i < half ? -get(x, i + half) : get(x, i - half);
+        t[i] = rnd<E>(rnd<E>(get(x, i) * get(cos, i)) + rnd<E>(other * get(sin, i)));
+    }
+    for (long i = 0; i < hd; i++) put(x, i, t[i]);
+}
+
+// One query row of one head against keys lo..p of its KV head; o [head_dim] in E.
+template <typename E>
+static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long hd, float scale, E* o) {
+    static thread_local std::vector<float> buf;
+    long len = p - lo + 1;
+    if ((long)buf.size() < len + 2 * hd) buf.resize(len + 2 * hd);
+    float *s = buf.data(), *qf = s + len, *acc = qf + hd;
+    for (long i = 0; i < hd; i++) qf[i] = get(q, i);
+    float m = -INFINITY;
+    for (long j = 0; j < len; j++) {
+        const E* k = kc + (lo + j) * hd;
+        __m256 a = _mm256_setzero_ps();
+        for (long i = 0; i < hd; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(k + i), a);
+        s[j] = hsum(a) * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    for (long j = 0; j < len; j++) s[j] -= m;
+    exp_inplace(s, len);
+    float sum = 0.0f;
+    for (long j = 0; j < len; j++) sum += s[j];
+    for (long i = 0; i < hd; i++) acc[i] = 0.0f;
+    for (long j = 0; j < len; j++) {
+        const E* v = vc + (lo + j) * hd;
+        __m256 pj = _mm256_set1_ps(s[j]);
+        for (long i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pj, load8(v + i), _mm256_loadu_ps(acc + i)));
+    }
+    for (long i = 0; i < hd; i++) put(o, i, acc[i] / sum);
+}
+
+// gate [I] -> act(gate) [I] in float: SiLU g / (1 + e^-g), or GELU's tanh form with
+// tanh(u) = 1 - 2 / (e^2u + 1); e^x through exp8, so a row costs a few µs, not a scalar exp each.
+static void activation(float* g, float* t, long I, int act) {
+    for (long i = 0; i < I; i++) t[i] = act == 0 ? -g[i] : 2.0f * 0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
+    exp_inplace(t, I);
+    for (long i = 0; i < I; i++) g[i] = act == 0 ? g[i] / (1.0f + t[i]) : 0.5f * g[i] * (2.0f - 2.0f / (t[i] + 1.0f));
+}
+
+template <typename T, typename E>
+static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long window, const E* cos, const E* sin,
+                 E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads) {
+    const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
+    const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
+    if (n < 1 || n > 16 || hd % 8 || hd > 512 || start + n > capacity) return 1;
+    const long widest = std::max(std::max(H, I), qdim);
+    static thread_local std::vector<E> work;
+    static thread_local std::vector<float> X, F;
+    work.resize(n * (H + qkv_dim + qdim + H + 3 * I));
+    X.resize(4 * widest);
+    E *x = work.data(), *qkv = x + n * H, *o = qkv + n * qkv_dim, *a = o + n * qdim, *gu = a + n * H, *act = gu + 2 * n * I;
+    const bool gemma = d.sandwich;
+    if (do_attn) {
+        for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_in, x + r * H, H, d.eps, gemma);
+        linear<T, E>(w.wqkv, x, w.sqkv, w.bqkv, qkv, qkv_dim, H, n, threads, X.data());
+        for (int r = 0; r < n; r++) {
+            long p = start + r;
+            E* row = qkv + r * qkv_dim;
+            for (long head = 0; head < nh + nkv; head++) {
+                E* v = row + head * hd;
+                if (d.qk_norm) norm(v, (const E*)(head < nh ? w.q_norm : w.k_norm), v, hd, d.eps, gemma);
+                rotate(v, cos + p * hd, sin + p * hd, hd);
+            }
+            for (long g = 0; g < nkv; g++) {
+                memcpy(kc + (g * capacity + p) * hd, row + (nh + g) * hd, hd * sizeof(E));
+                memcpy(vc + (g * capacity + p) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
+            }
+        }
+        const long group = nh / nkv, tasks = n * nh;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long t = 0; t < tasks; t++) {
+            long r = t / nh, head = t % nh, g = head / group, p = start + r;
+            long lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+            attend(qkv + r * qkv_dim + head * hd, kc + g * capacity * hd, vc + g * capacity * hd, lo, p, hd, d.scale,
+                   o + r * qdim + head * hd);
+        }
+        linear<T, E>(w.wo, o, w.so, nullptr, a, H, qdim, n, threads, X.data());
+        for (int r = 0; r < n; r++) {
+            if (gemma) norm(a + r * H, (const E*)w.norm_attn, a + r * H, H, d.eps, true);
+            for (long i = 0; i < H; i++) put(h, r * H + i, get(h, r * H + i) + get(a, r * H + i));
+        }
+    }
+    if (do_mlp) {
+        for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_ff, x + r * H, H, d.eps, gemma);
+        linear<T, E>(w.wgu, x, w.sgu, nullptr, gu, 2 * I, H, n, threads, X.data());
+        F.resize(2 * I);
+        for (int r = 0; r < n; r++) {
+            for (long i = 0; i < I; i++) F[i] = get(gu, r * 2 * I + i);
+            activation(F.data(), F.data() + I, I, d.act);
+            for (long i = 0; i < I; i++) put(act, r * I + i, rnd<E>(F[i]) * get(gu, r * 2 * I + I + i));
+        }
+        linear<T, E>(w.wd, act, w.sd, nullptr, a, H, I, n, threads, X.data());
+        for (int r = 0; r < n; r++) {
+            if (gemma) norm(a + r * H, (const E*)w.norm_post, a + r * H, H, d.eps, true);
+            for (long i = 0; i < H; i++) put(h, r * H + i, get(h, r * H + i) + get(a, r * H + i));
+        }
+    }
+    return 0;
+}
+
+// dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16 activations), 2 float32 throughout.
+extern "C" int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window,
+                              const void* cos, const void* sin, void* kc, void* vc, long capacity, int do_attn,
+                              int do_mlp, int threads) {
+    typedef uint16_t B;
+    switch (dtype) {
+        case 0: return layer<B, B>(*d, *w, (B*)h, n, start, window, (const B*)cos, (const B*)sin, (B*)kc, (B*)vc,
+                                   capacity, do_attn, do_mlp, threads);
+        case 1: return layer<int8_t, B>(*d, *w, (B*)h, n, start, window, (const B*)cos, (const B*)sin, (B*)kc,
+                                        (B*)vc, capacity, do_attn, do_mlp, threads);
+        case 2: return layer<float, float>(*d, *w, (float*)h, n, start, window, (const float*)cos, (const float*)sin,
+                                           (float*)kc, (float*)vc, capacity, do_attn, do_mlp, threads);
+    }
+    return 2;
+}

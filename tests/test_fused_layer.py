@@ -1,0 +1,115 @@
+"""The fused decoder layer (selfspec.fused_layer, kernels/layer.cpp): the same logits as PyTorch's
+lean step within rounding, every row's bits independent of the rows beside it and of the thread
+count (so verify rows are AR's rows in every mode), and the models it declines."""
+
+import pytest
+import torch
+
+from lossless import PROMPT, REPETITIVE, assert_greedy_lossless
+from selfspec import fused_layer, gemv
+from selfspec.api import SelfSpecModel
+from selfspec.quantize import quantize_int4, quantize_int8
+from tiny_models import VOCAB, tiny_model
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: the lean step uses PyTorch's kernels")
+FUSED = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]  # every tiny architecture but phi3 (partial rotary)
+
+
+def _model(arch, dtype=torch.float32, int8=False):
+    hf = tiny_model(arch, dtype=torch.bfloat16 if int8 else dtype)
+    if int8:
+        quantize_int8(hf)
+    return SelfSpecModel(hf)
+
+
+def _logits(adapter, ids, prefill):
+    """A prefill (PyTorch's path when longer than fused_layer.ROWS), then one token at a time."""
+    with torch.inference_mode():
+        cache = adapter.new_cache(len(ids) + 1)
+        out = [adapter.head(adapter.run_layers(adapter.embed(ids[:prefill]), range(adapter.n_layers), 0, cache))]
+        for t in range(prefill, len(ids)):
+            out.append(adapter.head(adapter.run_layers(adapter.embed(ids[t:t + 1]), range(adapter.n_layers), t, cache)))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("arch", FUSED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+def test_fused_layer_matches_pytorchs_lean_step(arch, dtype):
+    model = _model(arch, torch.bfloat16 if dtype == "int8" else dtype, int8=dtype == "int8")
+    adapter = model.adapter
+    assert adapter.step.fused is not None
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
+    fused = _logits(adapter, ids, 20)  # positions 20..29 fused, past every tiny sliding window
+    adapter.step.fused = None
+    reference = _logits(adapter, ids, 20)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
+    else:  # bfloat16 activations: each op rounds to 8 bits, in a slightly different order
+        assert (fused - reference).abs().max() < 0.05 * reference.abs().max()
+        assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_bits_do_not_depend_on_its_neighbours_or_threads(arch, dtype, threads):
+    """A 16-row forward (a verify) gives each row exactly what a one-row forward (an AR step) at
+    that position gives it, with any thread count: greedy identity by construction."""
+    model = _model(arch, torch.bfloat16 if dtype == "int8" else dtype, int8=dtype == "int8")
+    adapter = model.adapter
+    ids = torch.randint(0, VOCAB, (26,), generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one_by_one = _logits(adapter, ids, 10)[10:]  # the prefill's 10 rows dropped
+        torch.set_num_threads(3 - threads)  # the other thread count for the verify
+        with torch.inference_mode():
+            cache = adapter.new_cache(len(ids) + 1)
+            adapter.run_layers(adapter.embed(ids[:10]), range(adapter.n_layers), 0, cache)
+            together = adapter.head(adapter.run_layers(adapter.embed(ids[10:]), range(adapter.n_layers), 10, cache))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, one_by_one)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
+def test_bfloat16_default_mode_is_lossless_for_every_drafter_kind(arch):
+    model = _model(arch, torch.bfloat16)
+    assert model.adapter.step.fused is not None and model.adapter.step.exact_rows is None
+    for options in [dict(method="early-exit", exit_layer=2, draft_len=5),
+                    dict(method="layer-skip", skip="attn:1,3 mlp:2,4", draft_len=4)]:
+        assert assert_greedy_lossless(model, **options).stats.drafted > 0
+    assert_greedy_lossless(model, prompt=REPETITIVE, method="lookup", draft_len=7)
+
+
+def test_exit_states_and_skips_run_through_the_fused_layer():
+    """A layer-skip draft and early exit's kept h_k take the fused path and agree with PyTorch's."""
+    model = _model("llama")
+    adapter = model.adapter
+    from selfspec.skips import SkipSet
+    skip = SkipSet(attn=frozenset({1, 3}), mlp=frozenset({2}))
+    ids = torch.tensor(PROMPT)
+    results = []
+    for fused in (adapter.step.fused, None):
+        adapter.step.fused = fused
+        with torch.inference_mode():
+            cache = adapter.new_cache(20)
+            cache.keep_exit_states(3, adapter.embed_tokens.weight.shape[1])
+            h = adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), 0, cache, skip=skip)
+            results.append((h.clone(), cache.exit_states[: len(PROMPT)].clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
+    assert results[0][1].abs().sum() > 0
+
+
+def test_which_models_run_fused(monkeypatch):
+    assert SelfSpecModel(tiny_model("llama")).adapter.step.fused is not None
+    assert SelfSpecModel(tiny_model("phi3")).adapter.step.fused is None  # partial rotary
+    hf = tiny_model("llama", dtype=torch.bfloat16)
+    quantize_int4(hf)
+    assert SelfSpecModel(hf, dtype_name="int4").adapter.step.fused is None  # PyTorch's int4 kernel
+    compiled = SelfSpecModel(tiny_model("llama"), lean=False)
+    assert compiled.adapter.lean(compile=True, backend="eager").fused is None
+    monkeypatch.setenv("SELFSPEC_FUSED", "0")
+    assert SelfSpecModel(tiny_model("llama")).adapter.step.fused is None
+    assert "SELFSPEC_FUSED=0" in fused_layer.unsupported_reason(SelfSpecModel(tiny_model("llama")).adapter.step)
