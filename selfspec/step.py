@@ -224,7 +224,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shap
     scales[i], or packed int4 weights with their group scales and zeros scales[i]; x · w for float
     weights stored [in, out] (shape.transposed). live: the rows before exact mode's padding."""
     live = x.shape[0] if live is None else live
-    if shape.gemv and live <= gemv.MAX_ROWS and w.dtype in (torch.bfloat16, torch.int8, torch.float32):
+    if (shape.gemv and live <= gemv.MAX_ROWS and w.dtype in (torch.bfloat16, torch.int8, torch.float32)
+            and not (x.requires_grad and torch.is_grad_enabled())):  # the kernel has no backward
         scale = scales[i] if scales else None
         if shape.compiled:  # the custom op, over every row of the bucket
             return torch.ops.selfspec.gemv(x, w, bias, scale)
@@ -378,7 +379,8 @@ class LeanStep:
         slot = cache.capacity - 1  # the scratch slot padding rows write to
         if start + n > slot:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
-        if self.fused is not None and n <= fused_layer.ROWS:  # no padding: rows never meet there
+        # No padding there (rows never meet), and no autograd: training through the layers keeps PyTorch's path.
+        if self.fused is not None and n <= fused_layer.ROWS and not (h.requires_grad and torch.is_grad_enabled()):
             return self.fused.run(h, layers, start, cache, skip)
         x = pad_rows(h[0], rows)
         pos = torch.arange(start, start + rows, device=x.device)
