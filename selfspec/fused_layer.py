@@ -63,8 +63,10 @@ def unsupported_reason(step) -> str | None:
         return f"{w.wqkv.dtype} weights with {adapter.dtype} activations"
     adapter._ensure_rope(1)  # the rotary tables (extended as caches grow), to read their width and dtype
     if any(cos.shape[-1] != shape.head_dim or cos.dtype != adapter.dtype or not cos.is_contiguous()
-           for cos, _ in adapter._rope.values()) or shape.head_dim % 8 or shape.head_dim > 512:
-        return "partial rotary or an odd head size"
+           for cos, _ in adapter._rope.values()) or shape.head_dim % 16:
+        return "partial rotary or a head size that is not a multiple of 16"
+    if step.weights[0].wo.shape[0] % 8 or step.weights[0].wd.shape[1] % 8:
+        return "a hidden or MLP size that is not a multiple of 8"
     if any(t is not None and not t.is_contiguous() for lw in step.weights
            for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd, lw.bqkv, *lw.scales, *lw.norms, *lw.qk_norms)):
         return "non-contiguous weights"

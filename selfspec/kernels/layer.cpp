@@ -33,9 +33,23 @@ static inline float get(const uint16_t* p, long i) { return bf16_to_float(p[i]);
 static inline float get(const float* p, long i) { return p[i]; }
 static inline void put(uint16_t* p, long i, float v) { p[i] = float_to_bf16(v); }
 static inline void put(float* p, long i, float v) { p[i] = v; }
-// v rounded to E, as a float: what one PyTorch op in dtype E would leave.
-template <typename E> static inline float rnd(float v) {
-    if constexpr (std::is_same<E, float>::value) return v; else return bf16_to_float(float_to_bf16(v));
+// Eight elements of E as floats, and eight floats stored as E (rounded to nearest even, as
+// float_to_bf16 rounds every finite value); rnd8: v rounded to E, as floats.
+static inline __m256 load8f(const uint16_t* p) { return load8(p); }
+static inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256i round_bits(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+}
+static inline void store8f(uint16_t* p, __m256 v) {
+    __m256i u = _mm256_srli_epi32(round_bits(v), 16);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+static inline void store8f(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+template <typename E> static inline __m256 rnd8(__m256 v) {
+    if constexpr (std::is_same<E, float>::value) return v;
+    else return _mm256_castsi256_ps(_mm256_and_si256(round_bits(v), _mm256_set1_epi32((int)0xffff0000u)));
 }
 
 // e^x on 8 lanes (Cephes' polynomial, ~1 ulp): the same result for a value wherever it sits.
@@ -63,19 +77,29 @@ static void exp_inplace(float* x, long n) {  // the tail through a padded vector
     }
 }
 
-// RMSNorm of one row x [dim] into out: Llama's (statistics in float32, normalised row rounded to
-// E, times w in E), or with gemma, (1 + w) applied in float32 and rounded once.
+// RMSNorm of one row x [dim] (dim % 8 == 0) into out: Llama's (statistics in float32, normalised
+// row rounded to E, times w in E), or with gemma, (1 + w) applied in float32 and rounded once.
 template <typename E>
 static void norm(const E* x, const E* w, E* out, long dim, float eps, bool gemma) {
-    float ss = 0.0f;
-    for (long i = 0; i < dim; i++) ss += get(x, i) * get(x, i);
-    float r = 1.0f / std::sqrt(ss / (float)dim + eps);
-    for (long i = 0; i < dim; i++) {
-        float v = get(x, i) * r;
-        if (gemma) put(out, i, v * (1.0f + get(w, i)));
-        else if constexpr (std::is_same<E, float>::value) put(out, i, v * get(w, i));
-        else put(out, i, rnd<E>(get(w, i) * rnd<E>(v)));
+    __m256 acc = _mm256_setzero_ps();
+    for (long i = 0; i < dim; i += 8) {
+        __m256 v = load8f(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
     }
+    const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)dim + eps)), one = _mm256_set1_ps(1.0f);
+    for (long i = 0; i < dim; i += 8) {
+        __m256 v = _mm256_mul_ps(load8f(x + i), r), wi = load8f(w + i);
+        if (gemma) v = _mm256_mul_ps(v, _mm256_add_ps(one, wi));
+        else if constexpr (std::is_same<E, float>::value) v = _mm256_mul_ps(v, wi);
+        else v = _mm256_mul_ps(wi, rnd8<E>(v));
+        store8f(out + i, v);
+    }
+}
+
+// h [dim] += a [dim], rounded to E.
+template <typename E>
+static void residual(E* h, const E* a, long dim) {
+    for (long i = 0; i < dim; i += 8) store8f(h + i, _mm256_add_ps(load8f(h + i), load8f(a + i)));
 }
 
 // y [n, N] = x [n, K] · Wᵀ (product.h).
@@ -85,16 +109,21 @@ static void linear(const void* W, const E* x, const uint16_t* scale, const void*
     product<T, E>((const T*)W, x, scale, (const E*)bias, y, N, K, n, n, threads, X);
 }
 
-// Rotary embedding of one head's row in place, as HF's q·cos + rotate_half(q)·sin in dtype E.
+// Rotary embedding of one head's row in place (head_dim % 16 == 0), as HF's
+// q·cos + rotate_half(q)·sin in dtype E: each product and the sum rounded to E.
 template <typename E>
 static void rotate(E* x, const E* cos, const E* sin, long hd) {
-    long half = hd / 2;
-    float t[512];
-    for (long i = 0; i < hd; i++) {
-        float other = i < half ? -get(x, i + half) : get(x, i - half);
-        t[i] = rnd<E>(rnd<E>(get(x, i) * get(cos, i)) + rnd<E>(other * get(sin, i)));
+    const long half = hd / 2;
+    const __m256 minus = _mm256_set1_ps(-1.0f);
+    for (long i = 0; i < half; i += 8) {
+        __m256 lo = load8f(x + i), hi = load8f(x + half + i);
+        __m256 new_lo = rnd8<E>(_mm256_add_ps(rnd8<E>(_mm256_mul_ps(lo, load8f(cos + i))),
+                                              rnd8<E>(_mm256_mul_ps(_mm256_mul_ps(hi, minus), load8f(sin + i)))));
+        __m256 new_hi = rnd8<E>(_mm256_add_ps(rnd8<E>(_mm256_mul_ps(hi, load8f(cos + half + i))),
+                                              rnd8<E>(_mm256_mul_ps(lo, load8f(sin + half + i)))));
+        store8f(x + i, new_lo);
+        store8f(x + half + i, new_hi);
     }
-    for (long i = 0; i < hd; i++) put(x, i, t[i]);
 }
 
 // One query row of one head against keys lo..p of its KV head; o [head_dim] in E.
@@ -127,12 +156,23 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long h
     for (long i = 0; i < hd; i++) put(o, i, acc[i] / sum);
 }
 
-// gate [I] -> act(gate) [I] in float: SiLU g / (1 + e^-g), or GELU's tanh form with
-// tanh(u) = 1 - 2 / (e^2u + 1); e^x through exp8, so a row costs a few µs, not a scalar exp each.
-static void activation(float* g, float* t, long I, int act) {
-    for (long i = 0; i < I; i++) t[i] = act == 0 ? -g[i] : 2.0f * 0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
-    exp_inplace(t, I);
-    for (long i = 0; i < I; i++) g[i] = act == 0 ? g[i] / (1.0f + t[i]) : 0.5f * g[i] * (2.0f - 2.0f / (t[i] + 1.0f));
+// act [I] = act(gate) · up for one row of gu = [gate | up] [2·I] (I % 8 == 0), each op rounded
+// to E: SiLU g / (1 + e^-g), or GELU's tanh form with tanh(u) = 1 - 2 / (e^2u + 1).
+template <typename E>
+static void activation(const E* gu, E* act, long I, int kind) {
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 c0 = _mm256_set1_ps(2.0f * 0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
+    for (long i = 0; i < I; i += 8) {
+        __m256 g = load8f(gu + i), a;
+        if (kind == 0) {
+            a = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        } else {
+            __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+            __m256 e = exp8(_mm256_mul_ps(c0, _mm256_add_ps(g, _mm256_mul_ps(c1, g3))));
+            a = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_sub_ps(two, _mm256_div_ps(two, _mm256_add_ps(e, one))));
+        }
+        store8f(act + i, _mm256_mul_ps(rnd8<E>(a), load8f(gu + I + i)));
+    }
 }
 
 template <typename T, typename E>
@@ -140,10 +180,10 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
                  E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads) {
     const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
     const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
-    if (n < 1 || n > 16 || hd % 8 || hd > 512 || start + n > capacity) return 1;
+    if (n < 1 || n > 16 || hd % 16 || H % 8 || I % 8 || start + n > capacity) return 1;
     const long widest = std::max(std::max(H, I), qdim);
     static thread_local std::vector<E> work;
-    static thread_local std::vector<float> X, F;
+    static thread_local std::vector<float> X;
     work.resize(n * (H + qkv_dim + qdim + H + 3 * I));
     X.resize(4 * widest);
     E *x = work.data(), *qkv = x + n * H, *o = qkv + n * qkv_dim, *a = o + n * qdim, *gu = a + n * H, *act = gu + 2 * n * I;
@@ -175,22 +215,17 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
         linear<T, E>(w.wo, o, w.so, nullptr, a, H, qdim, n, threads, X.data());
         for (int r = 0; r < n; r++) {
             if (gemma) norm(a + r * H, (const E*)w.norm_attn, a + r * H, H, d.eps, true);
-            for (long i = 0; i < H; i++) put(h, r * H + i, get(h, r * H + i) + get(a, r * H + i));
+            residual(h + r * H, a + r * H, H);
         }
     }
     if (do_mlp) {
         for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_ff, x + r * H, H, d.eps, gemma);
         linear<T, E>(w.wgu, x, w.sgu, nullptr, gu, 2 * I, H, n, threads, X.data());
-        F.resize(2 * I);
-        for (int r = 0; r < n; r++) {
-            for (long i = 0; i < I; i++) F[i] = get(gu, r * 2 * I + i);
-            activation(F.data(), F.data() + I, I, d.act);
-            for (long i = 0; i < I; i++) put(act, r * I + i, rnd<E>(F[i]) * get(gu, r * 2 * I + I + i));
-        }
+        for (int r = 0; r < n; r++) activation(gu + r * 2 * I, act + r * I, I, d.act);
         linear<T, E>(w.wd, act, w.sd, nullptr, a, H, I, n, threads, X.data());
         for (int r = 0; r < n; r++) {
             if (gemma) norm(a + r * H, (const E*)w.norm_post, a + r * H, H, d.eps, true);
-            for (long i = 0; i < H; i++) put(h, r * H + i, get(h, r * H + i) + get(a, r * H + i));
+            residual(h + r * H, a + r * H, H);
         }
     }
     return 0;
