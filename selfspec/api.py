@@ -25,6 +25,7 @@ from selfspec.sampling import SamplingParams
 from selfspec.skips import SkipSet
 from selfspec.stats import GenerationStats
 from selfspec.step import unsupported_reason
+from selfspec.tuner.run import ENGINE
 from selfspec.tuner.run import SECTION as TUNE_SECTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -264,6 +265,13 @@ class SelfSpecModel:
         decoding (AR), never an unmeasured configuration (untrained early exit runs 0.4-0.8x AR on
         the bundled models); an exit layer or draft length given asks for early exit."""
         section = load_profile(self.identity, profile).get(TUNE_SECTION)
+        stale = self._stale(section)
+        if stale:
+            if self.name not in _NOTED_UNTUNED:
+                _NOTED_UNTUNED.add(self.name)
+                warnings.warn(f"{self.name}'s tuned profile {stale}: --method auto ignores it; "
+                              "`selfspec tune` measures again", stacklevel=4)
+            section = None
         if not section:
             if exit_layer is not None or draft_len is not None:  # knobs of a draft: the user asks for one
                 return "early-exit", exit_layer, draft_len
@@ -281,6 +289,17 @@ class SelfSpecModel:
         k = exit_layer if exit_layer is not None else section.get("exit_layer")
         g = draft_len if draft_len is not None else section.get("draft_len")
         return section["method"], k, g
+
+    def _stale(self, section: dict | None) -> str | None:
+        """Why a tuned section no longer applies (None: it does): measured by `selfspec tune` (it
+        carries a "tuned" time) on an older engine or in another dtype. Hand-written sections apply."""
+        if not section or "tuned" not in section:
+            return None
+        if section.get("engine") != ENGINE:
+            return f"was measured on an older decode engine (generation {section.get('engine', 1)}, now {ENGINE})"
+        if section.get("dtype") not in (None, self.dtype_name):
+            return f"was measured in {section['dtype']}, not {self.dtype_name}"
+        return None
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         """Run to the end; same options as `stream`."""

@@ -1,4 +1,5 @@
-"""Hand-written few-row matrix products for bfloat16, int8 and float32 weights (`kernels/gemv.cpp`).
+"""Hand-written few-row matrix products for bfloat16, int8 and float32 weights (`kernels/product.h`,
+exported by `kernels/gemv.cpp`; the same library holds the fused decoder layer, selfspec.fused_layer).
 
 Why: a decode step is a chain of one-row products (one to four rows in a verify), each reading its
 whole weight matrix once, so its speed is the rate the weights stream at. PyTorch's CPU kernels

@@ -21,6 +21,10 @@ differs on some CPUs), so by default a verify's rows may differ from the AR step
 bits. With `exact_rows=E` every forward (AR step, draft, verify) runs the same E-row bucket, so
 every row goes through the same kernels with the same shapes and reduction order whatever the
 CPU or GPU, and greedy self-speculative output is bit-identical to AR by construction.
+
+Where selfspec.fused_layer runs (eager, on CPUs with the kernel), decode forwards of up to
+fused_layer.ROWS rows take it instead of `layer_forward`: one kernel call per layer, each row's
+arithmetic its own, so every mode is exact by construction there and nothing is padded.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import pytest
 from lossless import PROMPT, REPETITIVE
 from selfspec.calc import speedup
 from selfspec.profiles import load_profile, save_section
+from selfspec.tuner.run import ENGINE
 from selfspec.tuner import SECTION, default_exit_grid, tune
 from selfspec.tuner.costs import measure_costs
 from selfspec.tuner.plots import write_plots
@@ -185,3 +186,18 @@ def test_the_shipped_file_names_the_bundled_model():
 
     assert shipped_choice(ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5"), "bfloat16")["method"] == "lookup"
     assert shipped_choice(ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5"), "float32") is None
+
+
+def test_auto_ignores_a_profile_tuned_on_an_older_engine_or_in_another_dtype(tiny, tmp_path):
+    model = tiny("llama")
+    path = tmp_path / "profile.json"
+    measured = {"method": "early-exit", "exit_layer": 2, "draft_len": 3, "dtype": "float32",
+                "tuned": "2026-11-30T00:00:00+00:00"}
+    save_section(model.identity, SECTION, {**measured, "engine": ENGINE}, path)
+    assert model.tuned(str(path)) == ("early-exit", 2, 3)
+    for stale in (measured, {**measured, "engine": ENGINE - 1}, {**measured, "engine": ENGINE, "dtype": "int8"}):
+        save_section(model.identity, SECTION, stale, path)
+        assert model.tuned(str(path)) == ("ar", None, None), stale  # a tiny model has no shipped choice
+    result = tune(model, [PROMPT], max_new_tokens=6, exit_layers=[3], max_draft_len=1, check=1, repeats=1,
+                  progress=False)
+    assert result.profile_section(dtype="float32")["engine"] == ENGINE  # what tune writes is current

@@ -26,6 +26,10 @@ from selfspec.tuner.rounds import Rounds, predicted_speedup
 from selfspec.tuner.trace import Trace, replay_early_exit, replay_lookup, trace
 
 SECTION = "tune"
+# The decode engine's generation. A tuned choice is a measurement of this engine: when the engine
+# changes what a step, a draft and a verify cost (2: the fused layer, which made AR ~1.6x faster
+# and a 4-row verify relatively dearer), choices tuned on an older one no longer say what wins.
+ENGINE = 2
 
 
 @dataclass
@@ -97,6 +101,7 @@ class TuneResult:
             "predicted_speedup": round(best.predicted, 3) if best else 1.0,
             "ar_tokens_per_s": round(self.ar_tokens_per_s, 2),
             **setup,
+            "engine": ENGINE,
             "tuned": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "alpha_by_layer": {str(k): round(a, 3) for k, a in self.lens_agreement.items()},
             "costs": self.costs.to_json(),
