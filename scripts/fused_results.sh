@@ -31,3 +31,9 @@ kill $BUSY
 mkdir -p results/bench_smollm2_fused
 .venv/bin/selfspec bench --method all -g 3 --per-category 1 -n 64 --threads 2 --json results/bench_smollm2_fused/bench.json --markdown results/bench_smollm2_fused/bench.md
 .venv/bin/python scripts/readme_bench.py results/bench_smollm2_fused/bench.md
+mkdir -p $R/sampling
+for T in 0 0.7 1.0; do
+  $B --method auto --no-hf --temperature $T --seed 0 --json $R/sampling/auto_t$T.json --markdown $R/sampling/auto_t$T.md
+done
+.venv/bin/selfspec bench --threads 2 --model qwen2.5-coder-1.5b --prompts code --per-category 2 -n 48 --method lookup -g 3 --no-hf \
+  --json $R/bench_qwen15_code.json --markdown $R/bench_qwen15_code.md
