@@ -27,7 +27,7 @@ import torch
 
 from selfspec import gemv
 
-ROWS = 16  # the most rows a fused call takes (the kernel's limit); more (a prefill) run PyTorch's path
+ROWS = gemv.MAX_ROWS  # the most rows a fused call takes; more (a prefill) run PyTorch's path
 DTYPES = {torch.bfloat16: 0, torch.int8: 1, torch.float32: 2}  # weight dtype -> the kernel's code
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 

@@ -11,6 +11,7 @@
 // layer stays within rounding of the HF modules; E is bfloat16 (uint16 bits) or float.
 #include "product.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -180,7 +181,7 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
                  E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads) {
     const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
     const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
-    if (n < 1 || n > 16 || hd % 16 || H % 8 || I % 8 || start + n > capacity) return 1;
+    if (n < 1 || n > MAX_ROWS || hd % 16 || H % 8 || I % 8 || start + n > capacity) return 1;
     const long widest = std::max(std::max(H, I), qdim);
     static thread_local std::vector<E> work;
     static thread_local std::vector<float> X;
