@@ -127,19 +127,24 @@ static void rotate(E* x, const E* cos, const E* sin, long hd) {
     }
 }
 
-// One query row of one head against keys lo..p of its KV head; o [head_dim] in E.
-template <typename E>
-static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long hd, float scale, E* o) {
+// One query row of one head against keys lo..p of its KV head; o [head_dim] in E. HD: the head
+// size when it is one of the common ones (q and the output accumulator then live in registers),
+// else 0 and hd at run time. The arithmetic per element is the same either way.
+template <typename E, int HD>
+static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long hd_runtime, float scale, E* o) {
+    const long hd = HD ? HD : hd_runtime;
+    constexpr int V = HD ? HD / 8 : 64;  // 8-lane vectors per head row (64: room for head_dim 512)
     static thread_local std::vector<float> buf;
-    long len = p - lo + 1;
-    if ((long)buf.size() < len + 2 * hd) buf.resize(len + 2 * hd);
-    float *s = buf.data(), *qf = s + len, *acc = qf + hd;
-    for (long i = 0; i < hd; i++) qf[i] = get(q, i);
+    const long len = p - lo + 1;
+    if ((long)buf.size() < len) buf.resize(len);
+    float* s = buf.data();
+    __m256 qv[V], acc[V];
+    for (long i = 0; i < hd / 8; i++) qv[i] = load8f(q + 8 * i), acc[i] = _mm256_setzero_ps();
     float m = -INFINITY;
     for (long j = 0; j < len; j++) {
         const E* k = kc + (lo + j) * hd;
         __m256 a = _mm256_setzero_ps();
-        for (long i = 0; i < hd; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(k + i), a);
+        for (long i = 0; i < hd / 8; i++) a = _mm256_fmadd_ps(qv[i], load8f(k + 8 * i), a);
         s[j] = hsum(a) * scale;
         m = s[j] > m ? s[j] : m;
     }
@@ -147,14 +152,76 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long h
     exp_inplace(s, len);
     float sum = 0.0f;
     for (long j = 0; j < len; j++) sum += s[j];
-    for (long i = 0; i < hd; i++) acc[i] = 0.0f;
     for (long j = 0; j < len; j++) {
         const E* v = vc + (lo + j) * hd;
         __m256 pj = _mm256_set1_ps(s[j]);
-        for (long i = 0; i < hd; i += 8)
-            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pj, load8(v + i), _mm256_loadu_ps(acc + i)));
+        for (long i = 0; i < hd / 8; i++) acc[i] = _mm256_fmadd_ps(pj, load8f(v + 8 * i), acc[i]);
     }
-    for (long i = 0; i < hd; i++) put(o, i, acc[i] / sum);
+    const __m256 inv = _mm256_set1_ps(sum);
+    for (long i = 0; i < hd / 8; i++) store8f(o + 8 * i, _mm256_div_ps(acc[i], inv));
+}
+
+#ifdef __AVX512BF16__
+// bfloat16 with AVX512-BF16: q·k as pair dot products of the bfloat16 rows themselves (no
+// conversion), the weighted sum of v on 16 lanes. Its own fixed order per (row, head), as above.
+template <int HD>
+static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, float scale,
+                         uint16_t* o) {
+    static_assert(HD % 32 == 0, "head size");
+    static thread_local std::vector<float> buf;
+    const long len = p - lo + 1;
+    if ((long)buf.size() < len) buf.resize(len);
+    float* s = buf.data();
+    __m512bh qz[HD / 32];
+    __m512 acc[HD / 16];
+    for (int i = 0; i < HD / 32; i++) qz[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+    for (int i = 0; i < HD / 16; i++) acc[i] = _mm512_setzero_ps();
+    float m = -INFINITY;
+    for (long j = 0; j < len; j++) {
+        const uint16_t* k = kc + (lo + j) * HD;
+        __m512 a = _mm512_setzero_ps();
+        for (int i = 0; i < HD / 32; i++) a = _mm512_dpbf16_ps(a, qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+        s[j] = hsum(_mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))))
+               * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    for (long j = 0; j < len; j++) s[j] -= m;
+    exp_inplace(s, len);
+    float sum = 0.0f;
+    for (long j = 0; j < len; j++) sum += s[j];
+    for (long j = 0; j < len; j++) {
+        const uint16_t* v = vc + (lo + j) * HD;
+        __m512 pj = _mm512_set1_ps(s[j]);
+        for (int i = 0; i < HD / 16; i++) {
+            __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + 16 * i))), 16));
+            acc[i] = _mm512_fmadd_ps(pj, vf, acc[i]);
+        }
+    }
+    const __m256 inv = _mm256_set1_ps(sum);
+    for (int i = 0; i < HD / 16; i++) {
+        store8f(o + 16 * i, _mm256_div_ps(_mm512_castps512_ps256(acc[i]), inv));
+        store8f(o + 16 * i + 8, _mm256_div_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)), inv));
+    }
+}
+#endif
+
+template <typename E>
+static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, long hd, float scale, E* o) {
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same<E, uint16_t>::value) {
+        switch (hd) {
+            case 64: return attend_pairs<64>(q, kc, vc, lo, p, scale, o);
+            case 128: return attend_pairs<128>(q, kc, vc, lo, p, scale, o);
+            case 256: return attend_pairs<256>(q, kc, vc, lo, p, scale, o);
+        }
+    }
+#endif
+    switch (hd) {
+        case 64: return attend<E, 64>(q, kc, vc, lo, p, hd, scale, o);
+        case 128: return attend<E, 128>(q, kc, vc, lo, p, hd, scale, o);
+        case 256: return attend<E, 256>(q, kc, vc, lo, p, hd, scale, o);
+        default: return attend<E, 0>(q, kc, vc, lo, p, hd, scale, o);
+    }
 }
 
 // act [I] = act(gate) · up for one row of gu = [gate | up] [2·I] (I % 8 == 0), each op rounded
@@ -181,7 +248,7 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
                  E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads) {
     const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
     const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
-    if (n < 1 || n > MAX_ROWS || hd % 16 || H % 8 || I % 8 || start + n > capacity) return 1;
+    if (n < 1 || n > MAX_ROWS || hd % 16 || hd > 512 || H % 8 || I % 8 || start + n > capacity) return 1;
     const long widest = std::max(std::max(H, I), qdim);
     static thread_local std::vector<E> work;
     static thread_local std::vector<float> X;
@@ -210,7 +277,7 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
         for (long t = 0; t < tasks; t++) {
             long r = t / nh, head = t % nh, g = head / group, p = start + r;
             long lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            attend(qkv + r * qkv_dim + head * hd, kc + g * capacity * hd, vc + g * capacity * hd, lo, p, hd, d.scale,
+            attend_any(qkv + r * qkv_dim + head * hd, kc + g * capacity * hd, vc + g * capacity * hd, lo, p, hd, d.scale,
                    o + r * qdim + head * hd);
         }
         linear<T, E>(w.wo, o, w.so, nullptr, a, H, qdim, n, threads, X.data());
