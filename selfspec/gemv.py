@@ -12,7 +12,7 @@ number of rows in the call or the thread count, so a verify's rows equal the AR 
 bit. (Across CPUs: the AVX2 path rounds alike on every x86 CPU; CPUs with AVX512-BF16 take the
 pair-dot-product path for bfloat16 weights, which rounds its own way.)
 
-Built once per machine with g++ (about a second) into the selfspec cache and loaded with ctypes;
+Built once per machine with g++ (about 3 s with the fused layer) into the selfspec cache and loaded with ctypes;
 without g++, AVX2 or FMA, or with SELFSPEC_GEMV=0, `available()` is False and the lean step keeps
 PyTorch's kernels. The eager lean step calls it directly (4 µs a call); compiled code calls it as
 the custom op `torch.ops.selfspec.gemv` (9 µs), which torch.compile keeps as one opaque call while
