@@ -94,12 +94,11 @@ class FusedLayers:
             self.structs.append(Weights(lw.wqkv.data_ptr(), _ptr(lw.bqkv), lw.wo.data_ptr(), lw.wgu.data_ptr(),
                                         lw.wd.data_ptr(), *scales, *[_ptr(t) for t in norms], _ptr(q_norm),
                                         _ptr(k_norm)))
-        self._keep = step.weights  # the structs point into these
 
     def run(self, h: torch.Tensor, layers, start: int, cache, skip) -> torch.Tensor:
         """h [1, n, hidden] (n <= ROWS) through `layers` at positions start .., as LeanStep.run."""
         adapter = self.adapter
-        x = h[0].contiguous().clone()  # [n, hidden], updated in place layer by layer
+        x = h[0].clone(memory_format=torch.contiguous_format)  # [n, hidden], updated in place layer by layer
         n = x.shape[0]
         threads = torch.get_num_threads()
         keys, values = cache.keys, cache.values  # [layer, 1, kv_heads, capacity, head_dim]

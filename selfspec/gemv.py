@@ -98,13 +98,18 @@ def available() -> bool:
 WEIGHTS = {torch.bfloat16: (torch.bfloat16, torch.int8), torch.float32: (torch.float32,)}  # x dtype -> w dtypes
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on these tensors: the kernels have no backward, so
+    such products (calibration, training) keep PyTorch's."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether linear(x, w) can run here: at most MAX_ROWS CPU rows, bfloat16 against a contiguous
     bfloat16 or int8 weight [out, in], or float32 against float32, and no gradient wanted."""
     return (x.device.type == "cpu" and x.dtype in WEIGHTS and x.dim() == 2 and x.shape[0] <= MAX_ROWS
             and w.dtype in WEIGHTS[x.dtype] and w.dim() == 2 and w.is_contiguous()
-            and w.shape[1] == x.shape[1] and available()
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))  # no autograd here
+            and w.shape[1] == x.shape[1] and available() and not needs_grad(x, w))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

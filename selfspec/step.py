@@ -74,7 +74,7 @@ class Shape:
     eps: float
     act: str
     transposed: bool  # float weights stored [in, out] (see transposed_layout)
-    gemv: bool = False  # bfloat16, int8 and float32 products of <= 4 rows through selfspec.gemv's kernel
+    gemv: bool = False  # bfloat16, int8 and float32 products of <= gemv.MAX_ROWS rows through selfspec.gemv's kernel
     compiled: bool = False  # called from compiled code: the kernel as a custom op, all rows of the bucket
     # Attention takes the query heads that share a KV head as rows of one head: the same numbers as
     # grouped-query attention, but CPU flash attention runs a single bfloat16 query row slowly
@@ -229,7 +229,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shap
     weights stored [in, out] (shape.transposed). live: the rows before exact mode's padding."""
     live = x.shape[0] if live is None else live
     if (shape.gemv and live <= gemv.MAX_ROWS and w.dtype in (torch.bfloat16, torch.int8, torch.float32)
-            and not (x.requires_grad and torch.is_grad_enabled())):  # the kernel has no backward
+            and not gemv.needs_grad(x)):
         scale = scales[i] if scales else None
         if shape.compiled:  # the custom op, over every row of the bucket
             return torch.ops.selfspec.gemv(x, w, bias, scale)
@@ -379,13 +379,12 @@ class LeanStep:
         if not layers:  # early exit's draft runs no layer after its exit: nothing to pad or mask
             return h
         n = h.shape[1]
-        rows = self.rows(n)
         slot = cache.capacity - 1  # the scratch slot padding rows write to
         if start + n > slot:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
-        # No padding there (rows never meet), and no autograd: training through the layers keeps PyTorch's path.
-        if self.fused is not None and n <= fused_layer.ROWS and not (h.requires_grad and torch.is_grad_enabled()):
+        if self.fused is not None and n <= fused_layer.ROWS and not gemv.needs_grad(h):  # no padding there
             return self.fused.run(h, layers, start, cache, skip)
+        rows = self.rows(n)
         x = pad_rows(h[0], rows)
         pos = torch.arange(start, start + rows, device=x.device)
         pos[n:] = slot
@@ -401,15 +400,13 @@ class LeanStep:
         compiled = self.compile and (rows in BUCKETS or rows == self.exact_rows)
         static = torch._dynamo.mark_static if compiled else (lambda t, dim: None)
         static(pos, 0)
-        masks, ropes = {}, {}
-        # A prefill from position 0 attends causally over its own rows: no mask, and PyTorch's
-        # flash kernel (1.6x faster than a masked one for a 1,000-token prompt here). AR and
-        # speculation prefill alike, so this costs no exactness.
-        causal = start == 0 and rows == n and not compiled
+        # A prefill from position 0 attends causally over its own rows: no mask (None) for layers
+        # without a window, and PyTorch's flash kernel (1.6x faster than a masked one for a
+        # 1,000-token prompt here). AR and speculation prefill alike, so this costs no exactness.
+        masks = {None: None} if start == 0 and rows == n and not compiled else {}
+        ropes = {}
         for i in layers:
             spec = self.adapter.specs[i]
-            if causal and spec.window is None:
-                masks[None] = None
             if spec.window not in masks:
                 allowed = kv_pos.view(1, -1) <= pos.view(-1, 1)
                 if spec.window is not None:

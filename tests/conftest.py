@@ -58,3 +58,15 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["auto", "avx2"])
+def path(request, monkeypatch):
+    """The kernel library (selfspec.gemv) this CPU picks, and its AVX2 build: the same where the CPU
+    has no AVX512-BF16, so both of the kernels' code paths are tested on one machine."""
+    if request.param == "avx2":
+        from selfspec import gemv
+
+        monkeypatch.setenv("SELFSPEC_GEMV", "avx2")
+        monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
+    return request.param

@@ -12,15 +12,6 @@ from selfspec.quantize import quantize_int4, quantize_int8
 from tiny_models import COMMON, VOCAB, build, tiny_model
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: the lean step uses PyTorch's kernels")
-@pytest.fixture(params=["auto", "avx2"])
-def path(request, monkeypatch):
-    """The kernel library this CPU picks, and its AVX2 build (the same where the CPU has no AVX512-BF16)."""
-    if request.param == "avx2":
-        monkeypatch.setenv("SELFSPEC_GEMV", "avx2")
-        monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
-    return request.param
-
-
 FUSED = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "llama_hd64"]  # every tiny architecture but phi3 (partial rotary)
 
 

@@ -11,16 +11,6 @@ from tiny_models import tiny_model
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: the lean step uses PyTorch's kernels")
 
 
-@pytest.fixture(params=["auto", "avx2"])
-def path(request, monkeypatch):
-    """Each test runs on the kernel this CPU picks and on the AVX2 build (the same where the CPU
-    has no AVX512-BF16)."""
-    if request.param == "avx2":
-        monkeypatch.setenv("SELFSPEC_GEMV", "avx2")
-        monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
-    return request.param
-
-
 def _reference(x, w, bias=None, scale=None):
     y = x.float() @ w.float().t()
     if scale is not None:

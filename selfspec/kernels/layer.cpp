@@ -30,10 +30,6 @@ struct Weights {
     const void *q_norm, *k_norm;                     // [head_dim], or null
 };
 
-static inline float get(const uint16_t* p, long i) { return bf16_to_float(p[i]); }
-static inline float get(const float* p, long i) { return p[i]; }
-static inline void put(uint16_t* p, long i, float v) { p[i] = float_to_bf16(v); }
-static inline void put(float* p, long i, float v) { p[i] = v; }
 // Eight elements of E as floats, and eight floats stored as E (rounded to nearest even, as
 // float_to_bf16 rounds every finite value); rnd8: v rounded to E, as floats.
 static inline __m256 load8f(const uint16_t* p) { return load8(p); }
@@ -127,6 +123,22 @@ static void rotate(E* x, const E* cos, const E* sin, long hd) {
     }
 }
 
+// This thread's buffer for one (row, head)'s len attention scores.
+static float* scores(long len) {
+    static thread_local std::vector<float> buf;
+    if ((long)buf.size() < len) buf.resize(len);
+    return buf.data();
+}
+
+// Scores s [len] with maximum m -> e^(s - m) in place; returns their sum (one fixed order).
+static float softmax_weights(float* s, long len, float m) {
+    for (long j = 0; j < len; j++) s[j] -= m;
+    exp_inplace(s, len);
+    float sum = 0.0f;
+    for (long j = 0; j < len; j++) sum += s[j];
+    return sum;
+}
+
 // One query row of one head against keys lo..p of its KV head; o [head_dim] in E. HD: the head
 // size when it is one of the common ones (q and the output accumulator then live in registers),
 // else 0 and hd at run time. The arithmetic per element is the same either way.
@@ -134,10 +146,8 @@ template <typename E, int HD>
 static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long hd_runtime, float scale, E* o) {
     const long hd = HD ? HD : hd_runtime;
     constexpr int V = HD ? HD / 8 : 64;  // 8-lane vectors per head row (64: room for head_dim 512)
-    static thread_local std::vector<float> buf;
     const long len = p - lo + 1;
-    if ((long)buf.size() < len) buf.resize(len);
-    float* s = buf.data();
+    float* s = scores(len);
     __m256 qv[V], acc[V];
     for (long i = 0; i < hd / 8; i++) qv[i] = load8f(q + 8 * i), acc[i] = _mm256_setzero_ps();
     float m = -INFINITY;
@@ -148,10 +158,7 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long h
         s[j] = hsum(a) * scale;
         m = s[j] > m ? s[j] : m;
     }
-    for (long j = 0; j < len; j++) s[j] -= m;
-    exp_inplace(s, len);
-    float sum = 0.0f;
-    for (long j = 0; j < len; j++) sum += s[j];
+    const float sum = softmax_weights(s, len, m);
     for (long j = 0; j < len; j++) {
         const E* v = vc + (lo + j) * hd;
         __m256 pj = _mm256_set1_ps(s[j]);
@@ -168,10 +175,8 @@ template <int HD>
 static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, float scale,
                          uint16_t* o) {
     static_assert(HD % 32 == 0, "head size");
-    static thread_local std::vector<float> buf;
     const long len = p - lo + 1;
-    if ((long)buf.size() < len) buf.resize(len);
-    float* s = buf.data();
+    float* s = scores(len);
     __m512bh qz[HD / 32];
     __m512 acc[HD / 16];
     for (int i = 0; i < HD / 32; i++) qz[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
@@ -181,14 +186,10 @@ static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* 
         const uint16_t* k = kc + (lo + j) * HD;
         __m512 a = _mm512_setzero_ps();
         for (int i = 0; i < HD / 32; i++) a = _mm512_dpbf16_ps(a, qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
-        s[j] = hsum(_mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))))
-               * scale;
+        s[j] = hsum16(a) * scale;
         m = s[j] > m ? s[j] : m;
     }
-    for (long j = 0; j < len; j++) s[j] -= m;
-    exp_inplace(s, len);
-    float sum = 0.0f;
-    for (long j = 0; j < len; j++) sum += s[j];
+    const float sum = softmax_weights(s, len, m);
     for (long j = 0; j < len; j++) {
         const uint16_t* v = vc + (lo + j) * HD;
         __m512 pj = _mm512_set1_ps(s[j]);
@@ -200,7 +201,7 @@ static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* 
     const __m256 inv = _mm256_set1_ps(sum);
     for (int i = 0; i < HD / 16; i++) {
         store8f(o + 16 * i, _mm256_div_ps(_mm512_castps512_ps256(acc[i]), inv));
-        store8f(o + 16 * i + 8, _mm256_div_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)), inv));
+        store8f(o + 16 * i + 8, _mm256_div_ps(high8(acc[i]), inv));
     }
 }
 #endif

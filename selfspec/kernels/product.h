@@ -87,6 +87,10 @@ static void rows(const T* W, const float* X, const uint16_t* scale, const E* bia
 // integer up to 256 is a bfloat16). Each row is still one fixed order of its own.
 static inline __m512bh load32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
+// The upper 8 lanes of v, and hsum's order over all 16: the low and high halves added, then hsum.
+static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+static inline float hsum16(__m512 v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high8(v))); }
+
 static inline __m512bh load32(const int8_t* p) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
@@ -110,9 +114,7 @@ static void rows_pairs(const T* W, const uint16_t* x, const uint16_t* scale, con
             }
         }
         for (int r = 0; r < R; r++) {
-            __m512 v = _mm512_add_ps(a[r][0], a[r][1]);
-            __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-            float s = hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+            float s = hsum16(_mm512_add_ps(a[r][0], a[r][1]));
             for (long t = k; t < K; t++) s += value(w, t) * bf16_to_float(x[r * K + t]);
             if (scale) s *= bf16_to_float(scale[j]);
             if (bias) s += bf16_to_float(bias[j]);
