@@ -253,8 +253,11 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
     const long widest = std::max(std::max(H, I), qdim);
     static thread_local std::vector<E> work;
     static thread_local std::vector<float> X;
-    work.resize(n * (H + qkv_dim + qdim + H + 3 * I));
-    X.resize(4 * widest);
+    // Sized for MAX_ROWS once, so calls alternating between 1 and n rows (draft, verify) neither
+    // reallocate nor zero-fill the buffers.
+    const size_t per_row = H + qkv_dim + qdim + H + 3 * I;
+    if (work.size() < MAX_ROWS * per_row) work.resize(MAX_ROWS * per_row);
+    if (X.size() < (size_t)(4 * widest)) X.resize(4 * widest);
     E *x = work.data(), *qkv = x + n * H, *o = qkv + n * qkv_dim, *a = o + n * qdim, *gu = a + n * H, *act = gu + 2 * n * I;
     const bool gemma = d.sandwich;
     if (do_attn) {
