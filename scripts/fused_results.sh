@@ -37,3 +37,7 @@ for T in 0 0.7 1.0; do
 done
 .venv/bin/selfspec bench --threads 2 --model qwen2.5-coder-1.5b --prompts code --per-category 2 -n 48 --method lookup -g 3 --no-hf \
   --json $R/bench_qwen15_code.json --markdown $R/bench_qwen15_code.md
+python3 -c "while True: pass" & BUSY=$!
+.venv/bin/selfspec bench -n 64 --method auto --no-hf --json $R/bench_bf16_auto_busy.json --markdown $R/bench_bf16_auto_busy.md
+kill $BUSY
+for i in 1 2 3; do .venv/bin/python scripts/kernel_timings.py > $R/kernel_timings_$i.out 2>&1; done

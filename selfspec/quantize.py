@@ -47,8 +47,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if rows.shape[0] >= PREFILL_ROWS and x.dtype == torch.bfloat16:
-        # A prefill: PyTorch's int8 kernel takes 26 ms for 1,000 rows of SmolLM2's gate/up where
-        # dequantizing and a bfloat16 GEMM take 9 (2-core AMD EPYC). AR and speculation prefill alike.
+        # A prefill: PyTorch's int8 kernel takes 24 ms for 1,000 rows of SmolLM2's gate/up where
+        # dequantizing and a bfloat16 GEMM take 10 (scripts/kernel_timings.py, 2-core AMD EPYC).
+        # AR and speculation prefill alike.
         y = (rows @ weight.to(x.dtype).t()) * scale
     else:
         y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scale)
