@@ -22,7 +22,7 @@ $B --model gemma3 --method lookup -g 3 --json $R/bench_gemma3.json --markdown $R
 .venv/bin/selfspec bench --threads 2 --model qwen2.5-coder-0.5b --prompts code --per-category 3 -n 48 --method lookup -g 3 \
   --json $R/bench_qwen05_code.json --markdown $R/bench_qwen05_code.md
 # A busy neighbour: one python busy loop beside a bench with no --threads (selfspec picks the free cores).
-python3 -c "while True: pass" & BUSY=$!
+.venv/bin/python -c "while True: pass" & BUSY=$!  # the venv's interpreter itself, so $! is the loop (a pyenv shim would not be)
 .venv/bin/selfspec bench -n 64 --method lookup -g 3 --no-hf --json $R/bench_bf16_exact_busy.json --markdown $R/bench_bf16_exact_busy.md
 kill $BUSY
 .venv/bin/selfspec tune --threads 2 --output $R/tune_profile.json --plots $R/tune_plots --json $R/tune.json > $R/tune.out 2>&1
@@ -37,7 +37,7 @@ for T in 0 0.7 1.0; do
 done
 .venv/bin/selfspec bench --threads 2 --model qwen2.5-coder-1.5b --prompts code --per-category 2 -n 48 --method lookup -g 3 --no-hf \
   --json $R/bench_qwen15_code.json --markdown $R/bench_qwen15_code.md
-python3 -c "while True: pass" & BUSY=$!
+.venv/bin/python -c "while True: pass" & BUSY=$!  # the venv's interpreter itself, so $! is the loop (a pyenv shim would not be)
 .venv/bin/selfspec bench -n 64 --method auto --no-hf --json $R/bench_bf16_auto_busy.json --markdown $R/bench_bf16_auto_busy.md
 kill $BUSY
 for i in 1 2 3; do .venv/bin/python scripts/kernel_timings.py > $R/kernel_timings_$i.out 2>&1; done
