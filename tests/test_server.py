@@ -157,7 +157,10 @@ def test_queue_limit_returns_503_with_retry_after(smollm2):
     try:
         body = {"model": running.name, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True}
         with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: {"))  # it holds the only row
+            # Keep the line iterator referenced: a discarded one is closed, which closes the stream,
+            # and the server then frees the row (cancelled) before the second request arrives.
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # it holds the only row
             second = httpx.post(running.url + "/v1/completions", json={**body, "stream": False})
             assert second.status_code == 503 and second.headers["retry-after"]
             assert second.json()["error"]["code"] == "queue_full"
