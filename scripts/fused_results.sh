@@ -41,3 +41,4 @@ done
 .venv/bin/selfspec bench -n 64 --method auto --no-hf --json $R/bench_bf16_auto_busy.json --markdown $R/bench_bf16_auto_busy.md
 kill $BUSY
 for i in 1 2 3; do .venv/bin/python scripts/kernel_timings.py > $R/kernel_timings_$i.out 2>&1; done
+.venv/bin/python scripts/lookup_replay.py > $R/lookup_replay.out 2>&1
