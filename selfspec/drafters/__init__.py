@@ -96,6 +96,23 @@ def _saguaro(**o) -> Drafter:
     return Saguaro(_early_exit(context=False, **o))  # its pre-drafts run ahead of any head's KV
 
 
+def _feature(**o) -> Drafter:
+    """The feature head the profile names (`selfspec calibrate --head feature`), else the one
+    shipped for this model; draft_vocab N: only the first N of its draft-head tokens."""
+    from selfspec.drafters.feature import FeatureDraft
+    from selfspec.feature_head import feature_head_for
+
+    head, draft_ids, _ = feature_head_for(o.get("profile") or {}, o.get("identity"))
+    vocab = o.get("draft_vocab")
+    if vocab is not None:
+        if not 1 <= vocab <= draft_ids.numel():
+            raise ValueError(f"draft_vocab must be in 1..{draft_ids.numel()} (the tokens this feature head was "
+                             f"trained with), got {vocab}")
+        draft_ids = draft_ids[:vocab]
+    return FeatureDraft(head, 3 if o.get("draft_len") is None else o["draft_len"], draft_ids=draft_ids,
+                        threshold=o.get("threshold"))
+
+
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "ar": lambda **options: Autoregressive(),
     "early-exit": _early_exit,
@@ -107,6 +124,7 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "hybrid": _hybrid,
     "expert-subset": _expert_subset,
     "saguaro": _saguaro,
+    "feature": _feature,
 }
 METHODS = tuple(DRAFTERS)
 

@@ -1,0 +1,77 @@
+"""Feature-head drafting (selfspec.feature_head): no layers of the model run in the draft.
+
+Per round the head's KV cache takes in the committed positions (their final states, which the
+verify wrote into the model's cache, and their tokens); then each draft token is one step of the
+head from the previous final state (the model's for the first, the head's own prediction after
+that) and the previous token, through the model's norm and head (or the pruned draft head). The
+draft stops early after a token whose top-1 probability is below `threshold`. The verify runs the
+full model over the pending token and the draft, as for prompt lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.draft_head import PrunedHead
+from selfspec.drafters.base import Draft, DraftContext
+from selfspec.drafters.shallow import draft_token, top1_probability
+from selfspec.feature_head import FeatureHead, FeatureState
+
+DEFAULT_THRESHOLD = 0.3  # stop a draft after a token the head gives less than this
+
+
+class FeatureDraft:
+    name = "feature"
+    exit_layer = None
+
+    def __init__(self, head: FeatureHead, draft_len: int = 3, draft_ids: torch.Tensor | None = None,
+                 threshold: float | None = None):
+        """head: a trained feature head for this model; draft_len: γ, the most tokens per round;
+        draft_ids: the token ids of the pruned draft head (the ones the head was trained with;
+        None: the model's full head); threshold: stop after a token whose draft top-1 probability
+        is below it (default DEFAULT_THRESHOLD; 0 never stops early)."""
+        if draft_len < 1:
+            raise ValueError(f"draft length must be >= 1, got {draft_len}")
+        if draft_ids is not None and not draft_ids.numel():
+            raise ValueError("a pruned draft head needs at least one token id")
+        threshold = DEFAULT_THRESHOLD if threshold is None else threshold
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        self.feature_head, self.draft_len, self.threshold = head, draft_len, threshold
+        self.draft_ids = draft_ids
+        self.head: PrunedHead | None = None  # built at the first begin, for that model's weights
+
+    def begin(self, ctx: DraftContext) -> None:
+        adapter = ctx.adapter
+        hidden = adapter.embed_tokens.embedding_dim
+        if (self.feature_head.hidden_size, self.feature_head.n_layers) != (hidden, adapter.n_layers):
+            raise ValueError(f"the feature head was made for hidden size {self.feature_head.hidden_size} and "
+                             f"{self.feature_head.n_layers} layers, this model has {hidden} and {adapter.n_layers}")
+        self.feature_head.to(device=adapter.device, dtype=adapter.dtype)
+        ctx.cache.keep_exit_states(adapter.n_layers, hidden)  # before the prefill, which writes them
+        if self.draft_ids is not None and (self.head is None or not self.head.built_for(adapter)):
+            self.head = PrunedHead(adapter, self.draft_ids)
+        self.ctx = ctx
+        self.state = FeatureState(self.feature_head, ctx.cache, lambda ids: adapter.embed(ids))
+
+    def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
+        gamma = min(self.draft_len, max_len)
+        if gamma <= 0:
+            return Draft(tokens=pending.new_empty(0))
+        state = self.state.at(start, self.ctx.committed)
+        previous = state.previous(start, start + 1)  # the model's final state at start - 1
+        token, tokens, probs = pending, [], []
+        for _ in range(gamma):
+            previous = state.step(previous, token)
+            token, q, logits = draft_token(self.ctx, previous, self.ctx.generator, head=self.head)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if self.threshold > 0:
+                top = top1_probability(logits) if q is None else float(q.max())
+                if top < self.threshold:
+                    break
+        return Draft(tokens=torch.cat(tokens), draft_probs=torch.cat(probs) if probs else None)
+
+    def observe(self, n_accepted: int) -> None:
+        pass

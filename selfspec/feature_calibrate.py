@@ -1,0 +1,238 @@
+"""`selfspec calibrate --head feature`: train the feature head (selfspec.feature_head).
+
+Data: the model's own greedy continuation of each prompt, decoded by the engine in the dtype the
+model was loaded in (the outputs a draft must match), then one teacher-forced forward over prompt
+and output that keeps the final state h_L and the model's top-64 next-token log-probabilities at
+every position. Every position is both context and an example; α is reported on the output
+positions of held-out prompts (split by prompt, seeded).
+
+Loss, per example position t (its input: h_L(t-1) and x_t): KL from the model's distribution at t
+(top 64 plus "everything else", selfspec.calibrate.distill_loss) to the draft's, through the pruned
+draft head in float32, plus `regression` × smooth-L1 between the RMS-normalised predicted and true
+h_L(t): it keeps the prediction usable as the next draft step's input.
+
+α by draft position is measured the way the drafter runs: from each output position of a held-out
+prompt, the head steps on its own predictions (not the true states) while its tokens agree with
+the model's, up to DEPTH steps (`drafted_runs`).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from selfspec import draft_head
+from selfspec.calibrate import TOP, adamw_cosine, descend, distill_loss, held_out_prompts
+from selfspec.context_calibrate import MISSING, alpha_by_position
+from selfspec.feature_head import FeatureHead
+
+DEPTH = 4  # draft positions α is reported for
+
+
+@dataclass
+class FeatureSequence:
+    """One prompt and the model's output, teacher-forced."""
+
+    ids: torch.Tensor  # [T] long: prompt then output
+    n_prompt: int
+    final: torch.Tensor  # [T, d] h_L, the model's dtype
+    teacher_ids: torch.Tensor  # [T, TOP] long: the model's top tokens after each position
+    teacher_logp: torch.Tensor  # [T, TOP] float32
+
+
+@torch.inference_mode()
+def feature_data(model, prompts: list[torch.Tensor], max_new_tokens: int, progress: bool = True) -> list[FeatureSequence]:
+    """Decode each prompt greedily with the engine (plain decoding), then read final states and
+    the teacher off one forward over prompt + output."""
+    adapter = model.adapter
+    n_layers, hidden = adapter.n_layers, adapter.embed_tokens.embedding_dim
+    top = min(TOP, adapter.lm_head.out_features - 1)
+    out = []
+    for ids in tqdm(prompts, desc="generate", unit="prompt", file=sys.stderr, disable=not progress):
+        room = adapter.max_positions - ids.numel()
+        if room < 2:
+            continue
+        tokens = model.generate(ids.tolist(), method="ar", max_new_tokens=min(max_new_tokens, room - 1)).tokens
+        seq = torch.cat([ids, torch.tensor(tokens, dtype=torch.long)])
+        cache = adapter.new_cache(seq.numel())
+        cache.keep_exit_states(n_layers, hidden)
+        h = adapter.run_layers(adapter.embed(seq.to(adapter.device)), range(n_layers), 0, cache)
+        teacher = adapter.head(h).log_softmax(-1).topk(top)
+        out.append(FeatureSequence(seq, ids.numel(), cache.exit_states[:seq.numel()].cpu().clone(),
+                                   teacher.indices.cpu(), teacher.values.float().cpu()))
+    return out
+
+
+class Student:
+    """The draft's logits in float32: the model's final norm and the pruned (or full) head rows,
+    copied to float32 so the head trains in float32 whatever the model's dtype. The teacher's
+    tokens outside the subset are mapped to one extra column of logit MISSING (q = 0 there)."""
+
+    def __init__(self, adapter, token_ids: torch.Tensor):
+        self.ids = token_ids
+        self.weight = adapter.lm_head.weight.detach()[token_ids].float()
+        if adapter.lm_head.weight.dtype == torch.int8:  # an int8 head keeps per-row scales
+            raise ValueError("calibrate the feature head on a bfloat16 or float32 model, not int8")
+        self.norm = copy.deepcopy(adapter.norm).float().requires_grad_(False)
+        self.softcap = adapter.final_softcap
+        self.index = torch.full((adapter.lm_head.out_features,), len(token_ids), dtype=torch.long)
+        self.index[token_ids] = torch.arange(len(token_ids))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, d] float32 -> [m, N + 1]."""
+        logits = F.linear(self.norm(x), self.weight)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.cat([logits, logits.new_full((logits.shape[0], 1), MISSING)], dim=1)
+
+    def teacher(self, ids: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.index[ids]
+        return ids, logp.masked_fill(ids == len(self.ids), MISSING)
+
+    def token(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's greedy tokens (full-vocabulary ids) from [m, N + 1] logits."""
+        return self.ids[logits[:, :-1].argmax(-1)]
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Batches:
+    """Training batches: whole sequences, zero-padded, their inputs in float32."""
+
+    def __init__(self, data: list[FeatureSequence], embed):
+        self.data, self.embed = data, embed
+
+    def inputs(self, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """previous [B, T, d] (h_L one position back) and embedded [B, T, d]."""
+        longest = max(self.data[s].ids.numel() for s in chosen)
+        d = self.data[chosen[0]].final.shape[1]
+        previous = torch.zeros(len(chosen), longest, d)
+        ids = torch.zeros(len(chosen), longest, dtype=torch.long)
+        for row, s in enumerate(chosen):
+            x = self.data[s]
+            n = x.ids.numel()
+            previous[row, 1:n] = x.final[:n - 1].float()
+            ids[row, :n] = x.ids
+        return previous, self.embed(ids)
+
+
+@torch.no_grad()
+def drafted_runs(head: FeatureHead, student: Student, batches: Batches, chosen: list[int],
+                 depth: int = DEPTH) -> list[int]:
+    """For every output position t of sequences `chosen` (a round's start, pending token x_t):
+    how many draft tokens in a row the head gets right when it drafts on its own predictions,
+    as FeatureDraft does, up to `depth`."""
+    was_training = head.training
+    head.eval()
+    runs = []
+    for s in chosen:
+        x = batches.data[s]
+        n = x.ids.numel()
+        previous, embedded = batches.inputs([s])
+        inputs = head.inputs(previous, embedded)  # [1, n, d], the committed positions' s
+        kv = head.new_kv(n + depth + 1, dtype=torch.float32, device="cpu")
+        head.block.extend(inputs, 0, kv)
+        for t in range(x.n_prompt, n - 1):
+            kv.rewind(t)
+            s_t, run = inputs[:, t:t + 1], 0
+            for j in range(min(depth, n - 1 - t)):
+                f = head.block.step(s_t, t + j, kv)
+                token = student.token(student.logits(f[0]))
+                if int(token) != int(x.teacher_ids[t + j, 0]):
+                    break
+                run += 1
+                s_t = head.inputs(f, batches.embed(token.view(1, 1)))
+            runs.append(run)
+    head.train(was_training)
+    return runs
+
+
+@dataclass
+class FeatureTrained:
+    head: FeatureHead
+    alpha_before: list[float]  # α by draft position, held out, before training
+    alpha_after: list[float]
+    train_alpha_after: list[float]  # on as many training prompts: the overfitting check
+    steps: int
+    seconds: float
+    train_positions: int
+    held_out_positions: int
+    data_seconds: float = 0.0
+    draft_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    def summary(self) -> dict:
+        return {"alpha_before": [round(a, 4) for a in self.alpha_before],
+                "alpha_after": [round(a, 4) for a in self.alpha_after],
+                "train_alpha_after": [round(a, 4) for a in self.train_alpha_after],
+                "steps": self.steps, "train_seconds": round(self.seconds, 1),
+                "data_seconds": round(self.data_seconds, 1), "train_positions": self.train_positions,
+                "held_out_positions": self.held_out_positions, "params": self.head.n_params,
+                "draft_vocab": int(self.draft_ids.numel())}
+
+
+def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 2000, sequences: int = 8,
+                       positions: int = 256, lr: float = 3e-3, weight_decay: float = 0.01, regression: float = 1.0,
+                       width: int | None = None, heads: int = 4, head_dim: int = 64, draft_vocab: int = 8192,
+                       holdout: float = 0.1, seed: int = 0, eval_every: int = 0,
+                       progress: bool = True) -> FeatureTrained:
+    """Fit a new feature head on `data` (sequences of one model); see the module docstring."""
+    if min(steps, sequences, positions, draft_vocab) < 1 or not lr > 0:
+        raise ValueError("steps, sequences, positions and draft_vocab must be >= 1 and the learning rate > 0")
+    data = [x for x in data if x.ids.numel() > 2]
+    held = held_out_prompts(len(data), holdout, seed)
+    train = [i for i in range(len(data)) if not held[i]]
+    held_out = [i for i in range(len(data)) if held[i]]
+    generator = torch.Generator().manual_seed(seed)
+    seen = [train[i] for i in torch.randperm(len(train), generator=generator)[:len(held_out)].tolist()]
+    counts = draft_head.count_tokens([data[i].ids for i in train], adapter.lm_head.out_features)
+    draft_ids = draft_head.rank_tokens(counts)[:min(draft_vocab, adapter.lm_head.out_features)]
+    student = Student(adapter, draft_ids)
+    embedding = adapter.embed_tokens
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        return embedding(ids.to(adapter.device)).float().cpu()
+
+    batches = Batches(data, embed)
+    hidden = data[0].final.shape[1]
+    torch.manual_seed(seed)
+    head = FeatureHead(hidden, adapter.n_layers, heads, head_dim, width)
+    t0 = time.perf_counter()
+    before = alpha_by_position([torch.tensor(drafted_runs(head, student, batches, held_out))], DEPTH)
+    optimizer, schedule = adamw_cosine(head.parameters(), steps, lr, weight_decay)
+    head.train().requires_grad_(True)
+    per_sequence = max(1, positions // sequences)
+    loss_avg, alpha = None, before[0]
+    bar = tqdm(range(steps), desc="train feature head", unit="step", file=sys.stderr, disable=not progress)
+    for step in bar:
+        chosen = [train[i] for i in torch.randint(len(train), (min(sequences, len(train)),), generator=generator)]
+        lengths = torch.tensor([data[s].ids.numel() for s in chosen])
+        # Examples at 1 .. n-2: position 0 has no previous state; n-1's teacher follows the data's end.
+        where = 1 + (torch.rand(len(chosen), per_sequence, generator=generator) * (lengths[:, None] - 2)).long()
+        previous, embedded = batches.inputs(chosen)
+        predicted = head(previous, embedded, where).flatten(0, 1)  # [B·m, d]
+        rows = [(data[s], where[r]) for r, s in enumerate(chosen)]
+        ids, logp = student.teacher(torch.cat([x.teacher_ids[w] for x, w in rows]),
+                                    torch.cat([x.teacher_logp[w] for x, w in rows]))
+        true = torch.cat([x.final[w].float() for x, w in rows])
+        loss = distill_loss(student.logits(predicted), ids, logp).mean()
+        loss = loss + regression * F.smooth_l1_loss(_rms(predicted), _rms(true))
+        loss_avg = descend(optimizer, schedule, loss, loss_avg)
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            alpha = alpha_by_position([torch.tensor(drafted_runs(head, student, batches, held_out))], 1)[0]
+        bar.set_postfix(loss=f"{loss_avg:.3f}", held_out_alpha=f"{alpha:.3f}")
+    bar.close()
+    head.eval().requires_grad_(False)
+    after = alpha_by_position([torch.tensor(drafted_runs(head, student, batches, held_out))], DEPTH)
+    train_after = alpha_by_position([torch.tensor(drafted_runs(head, student, batches, seen))], DEPTH)
+    n_train = sum(data[i].ids.numel() - 2 for i in train)
+    n_held = sum(data[i].ids.numel() - 1 - data[i].n_prompt for i in held_out)
+    return FeatureTrained(head, before, after, train_after, steps, time.perf_counter() - t0, n_train, n_held,
+                          draft_ids=draft_ids)
