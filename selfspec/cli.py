@@ -43,14 +43,17 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 
 METHOD_HELP = (
-    "how the draft is made: auto (default: what `selfspec tune` chose for this model, else early-exit), "
+    "how the draft is made: auto (default: what `selfspec tune` chose for this model, else the choice shipped for "
+    "it, else plain decoding), "
     "early-exit (layers < k), layer-skip (a skip set found by "
     "`selfspec search`, Draft & Verify), swift (layer set searched during decoding), clasp (layer set by "
     "dynamic programming per context), conflayers (confidence-adaptive skipping), lookup (copy from the "
     "prompt/output, no model), hybrid (lookup when it matches, else early exit), expert-subset (mixture-of-experts "
     "models: each MoE layer routes a token to --experts experts instead of the model's top-k; all layers unless "
     "-k is given), saguaro (early exit that drafts the next round during each verify, for the outcome it "
-    "expects: speculative speculative decoding), ar (no draft; the baseline)"
+    "expects: speculative speculative decoding), feature (no model layers: a small trained head drafts from the last "
+    "verify's final states, EAGLE-style; shipped for SmolLM2, or made by `selfspec calibrate --head feature`), "
+    "ar (no draft; the baseline)"
 )
 
 
@@ -257,9 +260,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="tokens generated per prompt (default 128)")
     cal.add_argument("--exit-layer", "-k", type=int, action="append", default=None,
                      help="exit layer(s) to train, repeatable (default: 1/3 and 1/2 of the depth)")
-    cal.add_argument("--steps", type=int, default=500,
-                     help="optimiser steps per exit layer (default 500; about 0.35 s each for SmolLM2 on 2 idle "
-                          "CPU cores)")
+    cal.add_argument("--steps", type=int, default=None,
+                     help="optimiser steps per exit layer (default 500, --head feature 2000; about 0.35 s each "
+                          "for SmolLM2 on 2 idle CPU cores)")
     cal.add_argument("--batch-size", type=int, default=256,
                      help="positions per step (default 256); --head context: positions the loss is taken at, "
                           "drawn from --sequences whole sequences")
@@ -273,11 +276,14 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="directory for the adapter files (default: beside the model's profile)")
     cal.add_argument("--generate-batch", type=int, default=32,
                      help="prompts generated together when making the data (default 32)")
-    cal.add_argument("--head", choices=("mlp", "context"), default="mlp",
+    cal.add_argument("--head", choices=("mlp", "context", "feature"), default="mlp",
                      help="what to train: 'mlp', the per-position exit adapter (default), or 'context', the "
                           "context head (Kangaroo-style: one small attention block over the context's exit states, "
                           "then the MLP; drafts stop early below --threshold 0.6 unless told otherwise); the "
-                          "profile then points early exit at that k at it")
+                          "profile then points early exit at that k at it; or 'feature', the feature head "
+                          "(EAGLE-style: drafts from the last verify's final states with no model layers; "
+                          "--method feature; data from the engine's own greedy decoding, --train-vocab default 8192, "
+                          "--steps default 2000)")
     cal.add_argument("--heads", type=int, default=4,
                      help="--head context: attention heads of 64 dimensions (default 4)")
     cal.add_argument("--sequences", type=int, default=8,
@@ -645,6 +651,8 @@ def _calibrate(args) -> int:
     from selfspec.bench import load_prompts
     from selfspec.calibrate import calibrate, save
 
+    if args.steps is None:
+        args.steps = 2000 if args.head == "feature" else 500
     for name in ("num_prompts", "max_new_tokens", "steps", "batch_size", "generate_batch", "heads", "sequences"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -668,6 +676,8 @@ def _calibrate(args) -> int:
     setup = dict(model=model.name, dtype=args.dtype, prompts=len(prompts),
                  prompt_source=args.prompts or "bundled calibration_train.jsonl", texts=len(texts),
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    if args.head == "feature":
+        return _calibrate_feature(args, model, prompts, setup)
     if args.head == "context":
         from selfspec.context_calibrate import calibrate_context
 
@@ -711,6 +721,35 @@ def _calibrate(args) -> int:
         shares = ", ".join(f"{n}: {c:.1%}" for n, c in coverage(result.token_counts).items())
         print(f"draft-head ranking: {result.draft_head_path} (share of the counted tokens the top N cover: {shares}; "
               f"use with --draft-vocab N)")
+    return 0
+
+
+def _calibrate_feature(args, model, prompts: list[str], setup: dict) -> int:
+    from selfspec import feature_calibrate
+
+    if args.text:
+        raise ValueError("--text is not used by --head feature (it trains on the model's own outputs)")
+    train_vocab = 8192 if args.train_vocab is None else args.train_vocab
+    trained = feature_calibrate.calibrate_feature(
+        model, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps, sequences=args.sequences,
+        positions=args.batch_size, lr=args.lr, width=args.width, heads=args.heads, draft_vocab=train_vocab,
+        holdout=args.holdout, seed=args.seed, progress=not args.json)
+    setup.update(head="feature", heads=args.heads, sequences=args.sequences, train_vocab=int(trained.draft_ids.numel()))
+    path, profile = feature_calibrate.save(trained, model.identity, args.output, setup)
+    if args.json:
+        print(json.dumps({"model": model.name, **setup, **trained.summary(), "path": str(path)}))
+        return 0
+    print(f"{model.name}, {model.dtype_name}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens; "
+          f"{trained.train_positions} training positions, {trained.held_out_positions} held-out output positions; "
+          f"data {trained.data_seconds:.0f} s, training {trained.seconds:.0f} s ({args.steps} steps); "
+          f"{trained.head.n_params / 1e6:.2f}M parameters, draft head of {trained.draft_ids.numel()} tokens")
+    print()
+    print(feature_calibrate.table(trained))
+    print()
+    print("α by draft position: held out, on the model's own greedy outputs, every output position a round's start, "
+          "the head drafting on its own predictions, no γ cap or confidence stop")
+    print(f"feature head: {path}")
+    print(f"profile: {profile} (feature-head: used by --method feature)")
     return 0
 
 

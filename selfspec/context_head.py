@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from selfspec import tagged_file
+from selfspec.gemv import project
 from selfspec.cache import KVCache
 from selfspec.profiles import ModelIdentity, profiles_dir
 
@@ -115,9 +116,9 @@ class ContextHead(torch.nn.Module):
         x = self.attn_norm(h)
         size = self.heads * self.head_dim
         if query:
-            q, k, v = self.qkv(x).split(size, dim=-1)
+            q, k, v = project(x, self.qkv.weight).split(size, dim=-1)
         else:  # the key and value rows of the fused weight only
-            k, v = F.linear(x, self.qkv.weight[size:]).split(size, dim=-1)
+            k, v = project(x, self.qkv.weight[size:]).split(size, dim=-1)
             q = None
         cos, sin = self._rope(positions, h.dtype)
 
@@ -130,8 +131,8 @@ class ContextHead(torch.nn.Module):
     def _finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """h plus the attention output [B, heads, m, head_dim] through O, then the MLP."""
         b, _, m, _ = attended.shape
-        x = h + self.o(attended.transpose(1, 2).reshape(b, m, self.heads * self.head_dim))
-        return x + self.down(F.silu(self.up(self.mlp_norm(x))))
+        x = h + project(attended.transpose(1, 2).reshape(b, m, self.heads * self.head_dim), self.o.weight)
+        return x + project(F.silu(project(self.mlp_norm(x), self.up.weight)), self.down.weight)
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] for these positions (the Llama layout: halves rotated together)."""

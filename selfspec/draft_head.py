@@ -25,10 +25,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from selfspec import tagged_file
+from selfspec.gemv import project
 from selfspec.profiles import ModelIdentity, profiles_dir
 from selfspec.quantize import float_weight
 
@@ -75,7 +75,7 @@ class PrunedHead:
 
     def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden states [1, n, hidden] -> logits [n, N] in float32 (column i is token ids[i])."""
-        logits = F.linear(self.norm(h), self.weight, self.bias)[0].float()
+        logits = project(self.norm(h), self.weight, self.bias)[0].float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

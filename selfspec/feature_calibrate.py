@@ -110,17 +110,20 @@ class Batches:
     def __init__(self, data: list[FeatureSequence], embed):
         self.data, self.embed = data, embed
 
-    def inputs(self, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """previous [B, T, d] (h_L one position back) and embedded [B, T, d]."""
-        longest = max(self.data[s].ids.numel() for s in chosen)
+    def inputs(self, chosen: list[int], starts: list[int] | None = None,
+               window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """previous [B, T, d] (h_L one position back) and embedded [B, T, d] of sequences `chosen`,
+        each from position starts[b] (default 0) for at most `window` positions (default all)."""
+        starts = starts or [0] * len(chosen)
+        spans = [min(self.data[s].ids.numel() - b, window or 10**9) for s, b in zip(chosen, starts)]
         d = self.data[chosen[0]].final.shape[1]
-        previous = torch.zeros(len(chosen), longest, d)
-        ids = torch.zeros(len(chosen), longest, dtype=torch.long)
-        for row, s in enumerate(chosen):
+        previous = torch.zeros(len(chosen), max(spans), d)
+        ids = torch.zeros(len(chosen), max(spans), dtype=torch.long)
+        for row, (s, b, n) in enumerate(zip(chosen, starts, spans)):
             x = self.data[s]
-            n = x.ids.numel()
-            previous[row, 1:n] = x.final[:n - 1].float()
-            ids[row, :n] = x.ids
+            lo = max(b - 1, 0)
+            previous[row, 1 + lo - b:n] = x.final[lo:b + n - 1].float()
+            ids[row, :n] = x.ids[b:b + n]
         return previous, self.embed(ids)
 
 
@@ -181,9 +184,11 @@ class FeatureTrained:
 def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 2000, sequences: int = 8,
                        positions: int = 256, lr: float = 3e-3, weight_decay: float = 0.01, regression: float = 1.0,
                        width: int | None = None, heads: int = 4, head_dim: int = 64, draft_vocab: int = 8192,
-                       holdout: float = 0.1, seed: int = 0, eval_every: int = 0,
+                       holdout: float = 0.1, seed: int = 0, eval_every: int = 0, window: int = 512,
                        progress: bool = True) -> FeatureTrained:
-    """Fit a new feature head on `data` (sequences of one model); see the module docstring."""
+    """Fit a new feature head on `data` (sequences of one model); see the module docstring. A
+    step trains on `sequences` windows of at most `window` consecutive positions (the head's
+    attention sees those), `positions` examples drawn among them."""
     if min(steps, sequences, positions, draft_vocab) < 1 or not lr > 0:
         raise ValueError("steps, sequences, positions and draft_vocab must be >= 1 and the learning rate > 0")
     data = [x for x in data if x.ids.numel() > 2]
@@ -214,11 +219,16 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
     for step in bar:
         chosen = [train[i] for i in torch.randint(len(train), (min(sequences, len(train)),), generator=generator)]
         lengths = torch.tensor([data[s].ids.numel() for s in chosen])
-        # Examples at 1 .. n-2: position 0 has no previous state; n-1's teacher follows the data's end.
-        where = 1 + (torch.rand(len(chosen), per_sequence, generator=generator) * (lengths[:, None] - 2)).long()
-        previous, embedded = batches.inputs(chosen)
+        starts = (torch.rand(len(chosen), generator=generator) * (lengths - window).clamp_min(0)).long()
+        spans = (lengths - starts).clamp_max(window)
+        # Examples at window offsets >= 1 (position 0 has no previous state) and short of the
+        # sequence's last position (whose teacher follows the data's end).
+        last = spans - 1 - (starts + spans == lengths).long()
+        where = 1 + (torch.rand(len(chosen), per_sequence, generator=generator) * last[:, None].clamp_min(1)).long()
+        where = torch.minimum(where, last[:, None].clamp_min(1))
+        previous, embedded = batches.inputs(chosen, starts.tolist(), window)
         predicted = head(previous, embedded, where).flatten(0, 1)  # [B·m, d]
-        rows = [(data[s], where[r]) for r, s in enumerate(chosen)]
+        rows = [(data[s], where[r] + starts[r]) for r, s in enumerate(chosen)]
         ids, logp = student.teacher(torch.cat([x.teacher_ids[w] for x, w in rows]),
                                     torch.cat([x.teacher_logp[w] for x, w in rows]))
         true = torch.cat([x.final[w].float() for x, w in rows])
@@ -236,3 +246,41 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
     n_held = sum(data[i].ids.numel() - 1 - data[i].n_prompt for i in held_out)
     return FeatureTrained(head, before, after, train_after, steps, time.perf_counter() - t0, n_train, n_held,
                           draft_ids=draft_ids)
+
+
+def calibrate_feature(model, prompts: list, *, max_new_tokens: int = 128, progress: bool = True,
+                      **training) -> FeatureTrained:
+    """Make the data from `prompts` (text or token ids) and train a feature head on it
+    (`train_feature_head`'s options). Nothing is saved: see `save`."""
+    t0 = time.perf_counter()
+    encoded = [torch.as_tensor(model.encode(p) if isinstance(p, str) else p, dtype=torch.long) for p in prompts]
+    data = feature_data(model, encoded, max_new_tokens, progress=progress)
+    if len(data) < 2:
+        raise ValueError("need at least 2 prompts that fit the model's context, to hold some out")
+    data_seconds = time.perf_counter() - t0
+    trained = train_feature_head(model.adapter, data, progress=progress, **training)
+    trained.data_seconds = data_seconds
+    return trained
+
+
+def save(trained: FeatureTrained, identity, directory=None, setup: dict | None = None):
+    """Write the head (feature_head.default_path, in `directory` or beside the profiles) and point
+    the model's profile at it; returns (head path, profile path)."""
+    from selfspec.feature_head import SECTION, default_path, save_feature_head
+    from selfspec.profiles import save_section
+
+    summary = {**trained.summary(), **(setup or {})}
+    path = save_feature_head(trained.head, default_path(identity, directory), identity, trained.draft_ids, summary)
+    profile = save_section(identity, SECTION, {"path": str(path.resolve()), "alpha_after": summary["alpha_after"],
+                                               "params": trained.head.n_params})
+    return path, profile
+
+
+def table(trained: FeatureTrained) -> str:
+    """α by draft position, held out before/after and on training prompts, as a Markdown table."""
+    rows = ["| α at draft position | " + " | ".join(str(j + 1) for j in range(len(trained.alpha_after))) + " |",
+            "|---|" + "---|" * len(trained.alpha_after)]
+    for name, alphas in (("held out, before", trained.alpha_before), ("held out, after", trained.alpha_after),
+                         ("training prompts, after", trained.train_alpha_after)):
+        rows.append(f"| {name} | " + " | ".join(f"{a:.3f}" for a in alphas) + " |")
+    return "\n".join(rows)

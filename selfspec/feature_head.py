@@ -42,6 +42,7 @@ from safetensors.torch import load_file
 from selfspec import tagged_file
 from selfspec.cache import KVCache
 from selfspec.context_head import ContextHead
+from selfspec.gemv import project
 from selfspec.profiles import ModelIdentity, profiles_dir
 
 SECTION = "feature-head"  # the profile section naming this model's feature head
@@ -68,7 +69,7 @@ class FeatureHead(torch.nn.Module):
     def inputs(self, previous: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """s: previous [..., T, d] (h_L of the position before each; zeros before position 0) and
         embedded [..., T, d] (the model's embedding of each position's token) -> [..., T, d]."""
-        return self.fc(torch.cat([self.feature_norm(previous), self.token_norm(embedded)], dim=-1))
+        return project(torch.cat([self.feature_norm(previous), self.token_norm(embedded)], dim=-1), self.fc.weight)
 
     def forward(self, previous: torch.Tensor, embedded: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

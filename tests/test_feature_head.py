@@ -20,7 +20,8 @@ from selfspec.feature_head import (
     save_feature_head,
 )
 from selfspec.profiles import ModelIdentity, ProfileMismatchError, load_profile, save_section
-from selfspec.tuner.trace import exit_states
+from selfspec.tuner import tune
+from selfspec.tuner.trace import exit_states, replay_feature, trace
 
 HIDDEN = 64  # the tiny models' hidden size
 
@@ -149,6 +150,31 @@ def test_training_raises_alpha_on_the_models_own_outputs(tiny):
     out = assert_greedy_lossless(model, prompt=seen.ids[:seen.n_prompt].tolist(), n=24, drafter=drafter)
     assert 0 < out.stats.accepted < out.stats.drafted
     check_state(model, drafter)
+    # The tuner's replay (the drafter proposing from a trace's final states) predicts exactly these rounds.
+    t = trace(model.adapter, seen.ids[:seen.n_prompt].tolist(), out.tokens, 24, [])
+    rounds, seconds = replay_feature(t, model.adapter, FeatureDraft(trained.head, 3, draft_ids=trained.draft_ids,
+                                                                    threshold=0))
+    assert (sum(rounds.drafted), sum(rounds.accepted), len(rounds)) == (out.stats.drafted, out.stats.accepted,
+                                                                         out.stats.rounds)
+    assert seconds > 0
+
+
+def test_tune_predicts_and_times_feature_drafting(tiny, tmp_path):
+    model = tiny("llama")
+    path = save_feature_head(random_head(model, scale=0.05), tmp_path / "f.safetensors", model.identity,
+                             torch.arange(80))
+    save_section(model.identity, SECTION, {"path": str(path)})
+    try:
+        result = tune(model, [PROMPT, PROMPT[:5]], max_new_tokens=16, exit_layers=[2], max_draft_len=2, check=1,
+                      repeats=1, progress=False)
+    finally:
+        save_section(model.identity, SECTION, {})
+    feature = [c for c in result.candidates if c.method == "feature"]
+    assert [c.draft_len for c in feature] == [1, 2] and all(c.cost > 0 for c in feature)
+    checked = [c for c in result.checked if c.method == "feature"]
+    assert len(checked) == 1 and checked[0].identical == "2/2"
+    assert checked[0].measured_alpha == pytest.approx(checked[0].rounds.alpha)  # the replay is exact
+    assert "feature γ=" in result.table()
 
 
 def _student(model, ids):

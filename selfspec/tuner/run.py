@@ -23,7 +23,7 @@ from selfspec.engine import check_length
 from selfspec.roofline import Roofline, roofline
 from selfspec.tuner.costs import Costs, measure_costs
 from selfspec.tuner.rounds import Rounds, predicted_speedup
-from selfspec.tuner.trace import Trace, replay_early_exit, replay_lookup, trace
+from selfspec.tuner.trace import Trace, replay_early_exit, replay_feature, replay_lookup, trace
 
 SECTION = "tune"
 # The decode engine's generation. A tuned choice is a measurement of this engine: when the engine
@@ -34,7 +34,7 @@ ENGINE = 2
 
 @dataclass
 class Candidate:
-    method: str  # "early-exit" or "lookup"
+    method: str  # "early-exit", "lookup" or "feature"
     exit_layer: int | None
     draft_len: int
     rounds: Rounds  # replayed over every prompt
@@ -53,8 +53,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        if self.method == "lookup":
-            return f"lookup γ={self.draft_len}"
+        if self.method in ("lookup", "feature"):
+            return f"{self.method} γ={self.draft_len}"
         return f"early-exit k={self.exit_layer} γ={self.draft_len}"
 
     def options(self) -> dict:
@@ -167,6 +167,7 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
             rounds = _merged(replay_lookup(t, g, ngram) for t in traces)
             speed = predicted_speedup(rounds, cost=0.0, round_cost=costs.lookup, verify=costs.verify[0])
             candidates.append(Candidate("lookup", None, g, rounds, 0.0, costs.lookup, speed))
+    candidates += _feature_candidates(model, traces, costs, max_draft_len)
 
     # 4. Time the best predictions against AR, and the best of each family if not among them, so
     #    predicted-vs-measured covers both.
@@ -179,6 +180,29 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
     ar_tps = _timed_check(model, encoded, checked, max_new_tokens, ngram, progress)
     line = roofline(model.hf_model, costs.step_s)
     return TuneResult(n_layers, grid, max_draft_len, lens, costs, candidates, ar_tps, checked, line)
+
+
+def _feature_candidates(model, traces: list[Trace], costs, max_draft_len: int) -> list[Candidate]:
+    """Feature-head drafting at γ = 1 .. max_draft_len when the model has a head (its profile's or
+    the shipped one): replayed with the drafter itself over the traces; c is the replay's own
+    proposal time per drafted token over the measured step."""
+    from selfspec.drafters.feature import FeatureDraft
+    from selfspec.feature_head import feature_head_for
+    from selfspec.profiles import load_profile
+
+    try:
+        head, draft_ids, _ = feature_head_for(load_profile(model.identity), model.identity)
+    except (ValueError, FileNotFoundError):
+        return []
+    out = []
+    for g in range(1, max_draft_len + 1):
+        drafter = FeatureDraft(head, g, draft_ids=draft_ids)
+        parts = [replay_feature(t, model.adapter, drafter) for t in traces if t.output]
+        rounds = _merged(r for r, _ in parts)
+        cost = sum(s for _, s in parts) / max(1, sum(rounds.drafted)) / costs.step_s
+        speed = predicted_speedup(rounds, cost=cost, verify=costs.verify[0])
+        out.append(Candidate("feature", None, g, rounds, cost, 0.0, speed))
+    return out
 
 
 def _merged(parts) -> Rounds:

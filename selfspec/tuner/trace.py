@@ -30,6 +30,9 @@ class Trace:
     limit: int  # the max_new_tokens it ran with
     # hits[k][j]: the exit-k draft fed output[j-1] proposes output[j] (j >= 1; hits[k][0] unused)
     hits: dict[int, np.ndarray]
+    # The final states (before the final norm) at every position fed, [positions, hidden]: what
+    # the verify writes into the cache, which a feature-head draft reads (replay_feature).
+    final: torch.Tensor | None = None
 
 
 @torch.inference_mode()
@@ -54,7 +57,7 @@ def trace(adapter, prompt: list[int], tokens: list[int], limit: int, exit_layers
     for k, p in predicted.items():
         hits[k] = p == target
         hits[k][0] = False  # the first token comes from the prefill, never from a draft
-    return Trace(prompt, output, limit, hits)
+    return Trace(prompt, output, limit, hits, h[0].clone())
 
 
 def exit_states(adapter, ids: torch.Tensor, exit_layers) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
@@ -98,6 +101,40 @@ def replay_lookup(t: Trace, draft_len: int, ngram: int = 3) -> Rounds:
         return len(proposal), accepted
 
     return _replay(t, draft_len, draft)
+
+
+def replay_feature(t: Trace, adapter, drafter) -> tuple[Rounds, float]:
+    """The rounds the engine runs for a feature-head drafter (selfspec.drafters.feature, greedy)
+    on this prompt, the drafter itself proposing from the trace's final states; and the seconds
+    its proposals took (c's numerator)."""
+    import time
+
+    from selfspec.drafters.base import DraftContext
+    from selfspec.sampling import SamplingParams
+    from selfspec.stats import GenerationStats
+
+    positions = len(t.prompt) + len(t.output)
+    cache = adapter.new_cache(positions + drafter.draft_len + 1)
+    ctx = DraftContext(adapter, cache, SamplingParams(), None, torch.tensor(t.prompt), list(t.prompt),
+                       GenerationStats(drafter.name))
+    drafter.begin(ctx)
+    cache.exit_states[:t.final.shape[0]] = t.final
+    spent = 0.0
+
+    def draft(j: int, room: int) -> tuple[int, int]:
+        nonlocal spent
+        ctx.committed = t.prompt + t.output[:j + 1]
+        begun = time.perf_counter()
+        proposal = drafter.propose(torch.tensor(t.output[j:j + 1]), len(t.prompt) + j, room).tokens.tolist()
+        spent += time.perf_counter() - begun
+        accepted = 0
+        while (accepted < len(proposal) and j + 1 + accepted < len(t.output)
+               and proposal[accepted] == t.output[j + 1 + accepted]):
+            accepted += 1
+        return len(proposal), accepted
+
+    with torch.inference_mode():
+        return _replay(t, drafter.draft_len, draft), spent
 
 
 def _replay(t: Trace, draft_len: int, draft) -> Rounds:
