@@ -66,9 +66,9 @@ class ContextHead(torch.nn.Module):
         self.down = torch.nn.Linear(width, hidden_size, bias=False)
         torch.nn.init.zeros_(self.o.weight)  # untrained = identity = plain early exit
         torch.nn.init.zeros_(self.down.weight)
-        # RoPE's inverse frequencies, computed once per device, not per draft token. A plain
-        # attribute, not a buffer: .to(bfloat16) must not round them (the angles are float32).
-        self._inv_freq: torch.Tensor | None = None
+        # RoPE's cos and sin by position, per (dtype, device), computed once, not per draft token.
+        # A plain attribute, not a buffer: .to(bfloat16) must not round the angles (float32).
+        self._tables: dict = {}
 
     @property
     def n_params(self) -> int:
@@ -79,7 +79,7 @@ class ContextHead(torch.nn.Module):
         after a context's end is harmless: causality keeps it from every real position). Returns
         C at `positions` [B, m] (long; default every position): [B, m, d]."""
         t = h.shape[1]
-        q, k, v = self._qkv(h, torch.arange(t, device=h.device))  # [B, heads, T, head_dim]
+        q, k, v = self._qkv(h, 0)  # [B, heads, T, head_dim]
         if positions is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self._finish(h, out)
@@ -92,7 +92,7 @@ class ContextHead(torch.nn.Module):
         """Drafting: h [1, n, d] at positions start .. start+n-1, whose keys and values go into
         `kv` (the head's own cache, valid before `start`); each attends to the positions <= its own."""
         n = h.shape[1]
-        q, k, v = self._qkv(h, torch.arange(start, start + n, device=h.device))
+        q, k, v = self._qkv(h, start)
         kv.write(0, start, k, v)
         keys, values = kv.view(0, 0, start + n)
         mask = None
@@ -104,14 +104,15 @@ class ContextHead(torch.nn.Module):
     def extend(self, h: torch.Tensor, start: int, kv: KVCache) -> None:
         """Write the keys and values of exit states h [1, n, d] at start .. start+n-1 into `kv`
         (committed context: no output is needed)."""
-        _, k, v = self._qkv(h, torch.arange(start, start + h.shape[1], device=h.device), query=False)
+        _, k, v = self._qkv(h, start, query=False)
         kv.write(0, start, k, v)
 
     def new_kv(self, capacity: int, *, dtype, device) -> KVCache:
         return KVCache(1, self.heads, self.head_dim, capacity, dtype=dtype, device=device)
 
-    def _qkv(self, h: torch.Tensor, positions: torch.Tensor, query: bool = True):
-        """q, k, v [B, heads, T, head_dim], q and k rotated by absolute position (q None unless query)."""
+    def _qkv(self, h: torch.Tensor, start: int, query: bool = True):
+        """q, k, v [B, heads, T, head_dim] of h [B, T, d] at positions start .., q and k rotated by
+        absolute position (q None unless query)."""
         b, t, _ = h.shape
         x = self.attn_norm(h)
         size = self.heads * self.head_dim
@@ -120,7 +121,7 @@ class ContextHead(torch.nn.Module):
         else:  # the key and value rows of the fused weight only
             k, v = project(x, self.qkv.weight[size:]).split(size, dim=-1)
             q = None
-        cos, sin = self._rope(positions, h.dtype)
+        cos, sin = self._rope(start, t, h.dtype, h.device)
 
         def split(y):
             return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
@@ -134,14 +135,18 @@ class ContextHead(torch.nn.Module):
         x = h + project(attended.transpose(1, 2).reshape(b, m, self.heads * self.head_dim), self.o.weight)
         return x + project(F.silu(project(self.mlp_norm(x), self.up.weight)), self.down.weight)
 
-    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] for these positions (the Llama layout: halves rotated together)."""
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = self.rope_theta ** -(
-                torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim)
-        angles = positions.float()[:, None] * self._inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+    def _rope(self, start: int, n: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim] for positions start .. start+n-1 (the Llama layout: halves rotated
+        together), sliced from tables kept per dtype and device, doubled when outgrown."""
+        cos, sin = self._tables.get((dtype, device), (None, None))
+        if cos is None or cos.shape[0] < start + n:
+            size = max(256, 2 * (start + n))
+            inv_freq = self.rope_theta ** -(torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
+            angles = torch.arange(size, device=device).float()[:, None] * inv_freq[None, :]
+            angles = torch.cat([angles, angles], dim=-1)
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            self._tables[(dtype, device)] = cos, sin
+        return cos[start:start + n], sin[start:start + n]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

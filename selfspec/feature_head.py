@@ -84,16 +84,19 @@ class FeatureHead(torch.nn.Module):
 class FeatureState:
     """One generation's drafting state: the head's own KV cache, by position like the model's.
 
-    `at(start, committed)` fills the head's keys and values of positions length .. start-1 (the
-    previous round's accepted tokens; the prompt at the first round) from the model cache's final
-    states and the committed tokens, and drops the draft-time entries past `start`; `step` then
-    predicts one position at a time, start, start+1, ... (tentative entries, overwritten next round)."""
+    `first(start, committed)` begins a round: in one call it writes the head's keys and values of
+    the positions committed since the last round (their final states, which the verify wrote into
+    the model's cache, and their tokens; the whole prompt at the first round) and of the pending
+    token at `start`, and returns the head's prediction there. `step` then predicts one position
+    at a time from the head's own last prediction: tentative entries, which the next round
+    overwrites from the committed states."""
 
     def __init__(self, head: FeatureHead, cache: KVCache, embed):
         if cache.exit_layer != head.n_layers or cache.exit_states is None:
             raise ValueError(f"the cache keeps no final states (k = {head.n_layers})")
         self.head, self.cache, self.embed = head, cache, embed
         self.kv = head.new_kv(cache.capacity, dtype=cache.exit_states.dtype, device=cache.exit_states.device)
+        self.filled = 0  # positions whose head entries come from committed states
         self.position = 0
 
     def previous(self, start: int, end: int) -> torch.Tensor:
@@ -103,19 +106,20 @@ class FeatureState:
             return states[None, start - 1:end - 1]
         return torch.cat([states.new_zeros(1, 1, states.shape[1]), states[None, :end - 1]], dim=1)
 
-    def at(self, start: int, committed: list[int]) -> FeatureState:
-        valid = min(self.kv.length, start)
-        if valid < start:
-            ids = torch.tensor(committed[valid:start], dtype=torch.long, device=self.cache.exit_states.device)
-            s = self.head.inputs(self.previous(valid, start), self.embed(ids))
-            self.head.block.extend(s, valid, self.kv)
-        self.kv.rewind(start)
-        self.position = start
-        return self
+    def first(self, start: int, committed: list[int]) -> torch.Tensor:
+        """The predicted final state [1, 1, d] at the pending token's position `start`;
+        committed[start] is the pending token."""
+        valid = min(self.filled, start)
+        ids = torch.tensor(committed[valid:start + 1], dtype=torch.long, device=self.cache.exit_states.device)
+        s = self.head.inputs(self.previous(valid, start + 1), self.embed(ids))
+        self.kv.rewind(valid)
+        out = self.head.block.step(s, valid, self.kv)
+        self.filled = self.position = start + 1
+        return out[:, -1:]
 
     def step(self, previous: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The predicted final state [1, 1, d] at the next position, whose token is `token` [1] and
-        whose preceding final state is `previous` [1, 1, d] (the model's, or the last prediction)."""
+        whose preceding final state is `previous` [1, 1, d] (the head's last prediction)."""
         s = self.head.inputs(previous, self.embed(token))
         out = self.head.block.step(s, self.position, self.kv)
         self.position += 1

@@ -110,7 +110,7 @@ def check_state(model, drafter):
         final = exit_states(model.adapter, torch.tensor(tokens[:n]), [])[1][0]  # [n, d]
         torch.testing.assert_close(cache.exit_states[:n], final, atol=1e-4, rtol=1e-4)
         head, state = drafter.feature_head, drafter.state
-        valid = state.kv.length
+        valid = state.filled
         assert valid >= n - 4
         previous = torch.cat([final.new_zeros(1, HIDDEN), final[:valid - 1]])[None]
         s = head.inputs(previous, model.adapter.embed(torch.tensor(tokens[:valid])))

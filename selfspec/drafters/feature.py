@@ -58,16 +58,14 @@ class FeatureDraft:
         gamma = min(self.draft_len, max_len)
         if gamma <= 0:
             return Draft(tokens=pending.new_empty(0))
-        state = self.state.at(start, self.ctx.committed)
-        previous = state.previous(start, start + 1)  # the model's final state at start - 1
         token, tokens, probs = pending, [], []
-        for _ in range(gamma):
-            previous = state.step(previous, token)
-            token, q, logits = draft_token(self.ctx, previous, self.ctx.generator, head=self.head)
+        for i in range(gamma):
+            predicted = self.state.first(start, self.ctx.committed) if i == 0 else self.state.step(predicted, token)
+            token, q, logits = draft_token(self.ctx, predicted, self.ctx.generator, head=self.head)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
-            if self.threshold > 0:
+            if self.threshold > 0 and len(tokens) < gamma:  # (after the last token there is nothing to stop)
                 top = top1_probability(logits) if q is None else float(q.max())
                 if top < self.threshold:
                     break
