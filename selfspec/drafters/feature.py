@@ -59,8 +59,10 @@ class FeatureDraft:
         if gamma <= 0:
             return Draft(tokens=pending.new_empty(0))
         token, tokens, probs = pending, [], []
+        predicted = self.state.first(start, self.ctx.committed)
         for i in range(gamma):
-            predicted = self.state.first(start, self.ctx.committed) if i == 0 else self.state.step(predicted, token)
+            if i:
+                predicted = self.state.step(predicted, token)
             token, q, logits = draft_token(self.ctx, predicted, self.ctx.generator, head=self.head)
             tokens.append(token)
             if q is not None:
