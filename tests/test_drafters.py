@@ -19,6 +19,7 @@ OPTIONS = {
     "hybrid": dict(exit_layer=3, draft_len=4),
     "expert-subset": dict(draft_len=4),
     "saguaro": dict(exit_layer=3, draft_len=3),
+    "feature": dict(draft_len=3),
 }
 # Methods that need a particular kind of model (expert-subset: mixture of experts); the rest use llama.
 ARCH = {"expert-subset": "mixtral"}
@@ -28,8 +29,24 @@ def test_every_method_has_options_here():
     assert set(OPTIONS) == set(METHODS)
 
 
+@pytest.fixture
+def feature_head(tiny, tmp_path):
+    """A feature head for the tiny llama, named by its profile for the test's duration."""
+    from selfspec.feature_head import SECTION, FeatureHead, save_feature_head
+    from selfspec.profiles import save_section
+
+    model = tiny("llama")
+    head = FeatureHead(64, model.n_layers, heads=2, head_dim=16)
+    save_section(model.identity, SECTION, {"path": str(save_feature_head(head, tmp_path / "f.safetensors",
+                                                                          model.identity, torch.arange(90)))})
+    yield
+    save_section(model.identity, SECTION, {})
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_one_cache_per_generation_never_cloned(method, tiny, monkeypatch):
+def test_one_cache_per_generation_never_cloned(method, tiny, monkeypatch, request):
+    if method == "feature":
+        request.getfixturevalue("feature_head")
     model = tiny(ARCH.get(method, "llama"))
     caches = []
     clones = []
@@ -47,6 +64,7 @@ def test_one_cache_per_generation_never_cloned(method, tiny, monkeypatch):
     monkeypatch.setattr(selfspec.cache.KVCache, "__init__", counting_init)
     monkeypatch.setattr(torch.Tensor, "clone", recording_clone)
     out = assert_greedy_lossless(model, prompt=REPETITIVE, n=30, method=method, **OPTIONS[method])
-    assert len(caches) == 2  # AR's generation and the drafter's: one each
+    # AR's generation and the drafter's: one each (and the feature head's own few-KB cache)
+    assert len(caches) == (3 if method == "feature" else 2)
     assert not [shape for shape in clones if shape == tuple(caches[1].keys.shape) or len(shape) == 5]
     assert out.stats.method == method
