@@ -292,6 +292,12 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="--head context: train against a head pruned to the N most frequent tokens of the data, "
                           "as --draft-vocab N drafts (default: the full head, or 32768 when the vocabulary has "
                           "more than 100k tokens, e.g. Gemma 3's 262k)")
+    cal.add_argument("--samples", type=int, default=0,
+                     help="--head feature: sampled continuations per prompt besides the greedy one, more training "
+                          "text at the cost of more decoding (default 0)")
+    cal.add_argument("--noise", type=float, default=0.0,
+                     help="--head feature: Gaussian noise (in RMS units) on the previous-state inputs in training "
+                          "(default 0)")
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
 
     t = sub.add_parser("tune", help="find the fastest k and γ for this model on this machine; --method auto uses it",
@@ -730,11 +736,15 @@ def _calibrate_feature(args, model, prompts: list[str], setup: dict) -> int:
     if args.text:
         raise ValueError("--text is not used by --head feature (it trains on the model's own outputs)")
     train_vocab = 8192 if args.train_vocab is None else args.train_vocab
+    if args.samples < 0 or args.noise < 0:
+        raise ValueError("--samples and --noise must be >= 0")
     trained = feature_calibrate.calibrate_feature(
-        model, prompts, max_new_tokens=args.max_new_tokens, steps=args.steps, sequences=args.sequences,
+        model, prompts, max_new_tokens=args.max_new_tokens, samples=args.samples, noise=args.noise,
+        steps=args.steps, sequences=args.sequences,
         positions=args.batch_size, lr=args.lr, width=args.width, heads=args.heads, draft_vocab=train_vocab,
         holdout=args.holdout, seed=args.seed, progress=not args.json)
-    setup.update(head="feature", heads=args.heads, sequences=args.sequences, train_vocab=int(trained.draft_ids.numel()))
+    setup.update(head="feature", heads=args.heads, sequences=args.sequences, samples=args.samples, noise=args.noise,
+                 train_vocab=int(trained.draft_ids.numel()))
     path, profile = feature_calibrate.save(trained, model.identity, args.output, setup)
     if args.json:
         print(json.dumps({"model": model.name, **setup, **trained.summary(), "path": str(path)}))

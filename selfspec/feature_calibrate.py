@@ -44,28 +44,39 @@ class FeatureSequence:
     final: torch.Tensor  # [T, d] h_L, the model's dtype
     teacher_ids: torch.Tensor  # [T, TOP] long: the model's top tokens after each position
     teacher_logp: torch.Tensor  # [T, TOP] float32
+    prompt: int = -1  # the prompt's index (the held-out split is by prompt); -1: its position in the data
+    sampled: bool = False  # a sampled continuation (training only: α is measured on greedy ones)
 
 
 @torch.inference_mode()
-def feature_data(model, prompts: list[torch.Tensor], max_new_tokens: int, progress: bool = True) -> list[FeatureSequence]:
-    """Decode each prompt greedily with the engine (plain decoding), then read final states and
-    the teacher off one forward over prompt + output."""
+def feature_data(model, prompts: list[torch.Tensor], max_new_tokens: int, progress: bool = True,
+                 samples: int = 0, temperature: float = 0.8, seed: int = 0) -> list[FeatureSequence]:
+    """Decode each prompt greedily with the engine (plain decoding), and `samples` more times at
+    `temperature` (more training text: the teacher is still the model's own distribution at every
+    position); then read final states and the teacher off one forward over prompt + output."""
     adapter = model.adapter
     n_layers, hidden = adapter.n_layers, adapter.embed_tokens.embedding_dim
     top = min(TOP, adapter.lm_head.out_features - 1)
     out = []
-    for ids in tqdm(prompts, desc="generate", unit="prompt", file=sys.stderr, disable=not progress):
+    bar = tqdm(total=len(prompts) * (1 + samples), desc="generate", unit="output", file=sys.stderr,
+               disable=not progress)
+    for index, ids in enumerate(prompts):
         room = adapter.max_positions - ids.numel()
-        if room < 2:
-            continue
-        tokens = model.generate(ids.tolist(), method="ar", max_new_tokens=min(max_new_tokens, room - 1)).tokens
-        seq = torch.cat([ids, torch.tensor(tokens, dtype=torch.long)])
-        cache = adapter.new_cache(seq.numel())
-        cache.keep_exit_states(n_layers, hidden)
-        h = adapter.run_layers(adapter.embed(seq.to(adapter.device)), range(n_layers), 0, cache)
-        teacher = adapter.head(h).log_softmax(-1).topk(top)
-        out.append(FeatureSequence(seq, ids.numel(), cache.exit_states[:seq.numel()].cpu().clone(),
-                                   teacher.indices.cpu(), teacher.values.float().cpu()))
+        for copy_ in range(1 + samples):
+            bar.update()
+            if room < 2:
+                continue
+            sampling = {} if copy_ == 0 else dict(temperature=temperature, seed=seed + copy_ * len(prompts) + index)
+            tokens = model.generate(ids.tolist(), method="ar", max_new_tokens=min(max_new_tokens, room - 1),
+                                    **sampling).tokens
+            seq = torch.cat([ids, torch.tensor(tokens, dtype=torch.long)])
+            cache = adapter.new_cache(seq.numel())
+            cache.keep_exit_states(n_layers, hidden)
+            h = adapter.run_layers(adapter.embed(seq.to(adapter.device)), range(n_layers), 0, cache)
+            teacher = adapter.head(h).log_softmax(-1).topk(top)
+            out.append(FeatureSequence(seq, ids.numel(), cache.exit_states[:seq.numel()].cpu().clone(),
+                                       teacher.indices.cpu(), teacher.values.float().cpu(), index, copy_ > 0))
+    bar.close()
     return out
 
 
@@ -185,18 +196,24 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
                        positions: int = 256, lr: float = 3e-3, weight_decay: float = 0.01, regression: float = 1.0,
                        width: int | None = None, heads: int = 4, head_dim: int = 64, draft_vocab: int = 8192,
                        holdout: float = 0.1, seed: int = 0, eval_every: int = 0, window: int = 512,
-                       progress: bool = True) -> FeatureTrained:
+                       noise: float = 0.0, progress: bool = True) -> FeatureTrained:
     """Fit a new feature head on `data` (sequences of one model); see the module docstring. A
     step trains on `sequences` windows of at most `window` consecutive positions (the head's
-    attention sees those), `positions` examples drawn among them."""
+    attention sees those), `positions` examples drawn among them. noise: Gaussian noise of this
+    many RMS units added to the previous-state inputs (EAGLE's remedy for drafting on its own,
+    imperfect predictions)."""
     if min(steps, sequences, positions, draft_vocab) < 1 or not lr > 0:
         raise ValueError("steps, sequences, positions and draft_vocab must be >= 1 and the learning rate > 0")
     data = [x for x in data if x.ids.numel() > 2]
-    held = held_out_prompts(len(data), holdout, seed)
-    train = [i for i in range(len(data)) if not held[i]]
-    held_out = [i for i in range(len(data)) if held[i]]
+    prompts = [x.prompt if x.prompt >= 0 else i for i, x in enumerate(data)]
+    names = sorted(set(prompts))
+    held = held_out_prompts(len(names), holdout, seed)
+    held_names = {name for name, h in zip(names, held.tolist()) if h}
+    train = [i for i, p in enumerate(prompts) if p not in held_names]
+    held_out = [i for i, p in enumerate(prompts) if p in held_names and not data[i].sampled]
     generator = torch.Generator().manual_seed(seed)
-    seen = [train[i] for i in torch.randperm(len(train), generator=generator)[:len(held_out)].tolist()]
+    greedy = [i for i in train if not data[i].sampled]
+    seen = [greedy[i] for i in torch.randperm(len(greedy), generator=generator)[:len(held_out)].tolist()]
     counts = draft_head.count_tokens([data[i].ids for i in train], adapter.lm_head.out_features)
     draft_ids = draft_head.rank_tokens(counts)[:min(draft_vocab, adapter.lm_head.out_features)]
     student = Student(adapter, draft_ids)
@@ -227,6 +244,9 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
         where = 1 + (torch.rand(len(chosen), per_sequence, generator=generator) * last[:, None].clamp_min(1)).long()
         where = torch.minimum(where, last[:, None].clamp_min(1))
         previous, embedded = batches.inputs(chosen, starts.tolist(), window)
+        if noise:
+            scale = previous.pow(2).mean(-1, keepdim=True).sqrt()
+            previous = previous + noise * scale * torch.randn(previous.shape, generator=generator)
         predicted = head(previous, embedded, where).flatten(0, 1)  # [B·m, d]
         rows = [(data[s], where[r] + starts[r]) for r, s in enumerate(chosen)]
         ids, logp = student.teacher(torch.cat([x.teacher_ids[w] for x, w in rows]),
@@ -248,13 +268,15 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
                           draft_ids=draft_ids)
 
 
-def calibrate_feature(model, prompts: list, *, max_new_tokens: int = 128, progress: bool = True,
-                      **training) -> FeatureTrained:
-    """Make the data from `prompts` (text or token ids) and train a feature head on it
-    (`train_feature_head`'s options). Nothing is saved: see `save`."""
+def calibrate_feature(model, prompts: list, *, max_new_tokens: int = 128, samples: int = 0,
+                      temperature: float = 0.8, progress: bool = True, **training) -> FeatureTrained:
+    """Make the data from `prompts` (text or token ids; `samples` sampled continuations each
+    besides the greedy one) and train a feature head on it (`train_feature_head`'s options).
+    Nothing is saved: see `save`."""
     t0 = time.perf_counter()
     encoded = [torch.as_tensor(model.encode(p) if isinstance(p, str) else p, dtype=torch.long) for p in prompts]
-    data = feature_data(model, encoded, max_new_tokens, progress=progress)
+    data = feature_data(model, encoded, max_new_tokens, progress=progress, samples=samples, temperature=temperature,
+                        seed=training.get("seed", 0))
     if len(data) < 2:
         raise ValueError("need at least 2 prompts that fit the model's context, to hold some out")
     data_seconds = time.perf_counter() - t0

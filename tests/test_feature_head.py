@@ -187,3 +187,31 @@ def _batches(model, data):
     from selfspec.feature_calibrate import Batches
 
     return Batches(data, lambda ids: model.adapter.embed_tokens(ids).float())
+
+
+def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch, capsys):
+    import json
+    import random
+
+    from tiny_models import VOCAB, tiny_model, tiny_tokenizer
+
+    from selfspec.cli import main
+
+    monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path / "profiles"))
+    ckpt = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    rng = random.Random(0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, VOCAB)}" for _ in range(6))})
+                               + "\n" for _ in range(4)))
+    assert main(["calibrate", "--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", "4", "-n", "6",
+                 "--steps", "3", "--batch-size", "8", "--sequences", "2", "--heads", "2", "--samples", "1",
+                 "--noise", "0.1", "--train-vocab", "50", "--head", "feature", "--output", str(tmp_path / "cal"),
+                 "--holdout", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "held out, after" in out and "feature-head: used by --method feature" in out
+    head = next(p for p in (tmp_path / "cal").iterdir() if p.name.endswith(".feature.safetensors"))
+    assert read_header(head)["draft_vocab"] == 50 and read_header(head)["training"]["samples"] == 1
+    assert main(["generate", "--model", str(ckpt), "--method", "feature", "-n", "8", "--json", "w5 w9 w12"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["method"] == "feature"
