@@ -281,7 +281,8 @@ def _methods(args, model) -> list[Method]:
             label = name if draft_lens[0] is None else f"{name} γ≤{draft_lens[0]}"
             if name == "layer-skip":
                 label += " (searched profile)" if "layer-skip" in profile else " (untuned default)"
-            out.append(Method(label, name, None, draft_lens[0]))
+            vocab = getattr(args, "draft_vocab", None) if name == "feature" else None
+            out.append(Method(label + (f" V={vocab}" if vocab else ""), name, None, draft_lens[0], draft_vocab=vocab))
     return out
 
 

@@ -146,7 +146,8 @@ def test_smollm2_bfloat16_drafters_equal_bfloat16_ar(mode):
     ids = model.encode(_math_prompt())
     ar = model.generate(ids, method="ar", max_new_tokens=40)
     for options in (dict(exit_layer=10, draft_len=3), dict(exit_layer=28, draft_len=3),
-                    dict(method="lookup", draft_len=3)):
+                    dict(method="lookup", draft_len=3), dict(method="feature", draft_len=3),
+                    dict(method="hybrid", draft_len=2)):
         out = model.generate(ids, max_new_tokens=40, **options).tokens
         if mode == "exact":
             assert out == ar.tokens, options
@@ -179,7 +180,8 @@ def test_quantized_smollm2_is_lossless_against_its_own_ar(dtype):
     ids = model.encode(next(p for p in load_prompts(None, 1) if p.category == "rag").text)
     ar = model.generate(ids, method="ar", max_new_tokens=24)
     assert len(ar.tokens) > 5 and ar.text.strip()
-    for options in (dict(exit_layer=22, draft_len=3), dict(method="lookup", draft_len=3)):
+    for options in (dict(exit_layer=22, draft_len=3), dict(method="lookup", draft_len=3),
+                    dict(method="feature", draft_len=3)):
         assert model.generate(ids, max_new_tokens=24, **options).tokens == ar.tokens, options
 
 
@@ -203,9 +205,24 @@ def test_shipped_choice_matches_the_bundled_model_as_loaded():
     from selfspec.profiles import shipped_choice
 
     model = selfspec.load("smollm2", dtype="bfloat16", progress=False)
-    assert shipped_choice(model.identity, model.dtype_name) is not None
+    shipped = shipped_choice(model.identity, model.dtype_name)
     out = model.generate(PROMPTS[0], max_new_tokens=16)  # auto, no profile here: the shipped choice
-    assert out.stats.method == "lookup"
+    assert out.stats.method == shipped["method"]
+
+
+def test_shipped_feature_head_drafts_for_the_bundled_model(smollm2):
+    """The feature head shipped in the package loads for the bundled model as converted (identity
+    checked), drafts tokens the full model accepts, and output stays AR's (float32 here)."""
+    from selfspec.feature_head import feature_head_for, read_header, shipped_path
+
+    assert shipped_path(smollm2.identity).is_file()
+    head, draft_ids, _ = feature_head_for({}, smollm2.identity)
+    assert draft_ids.numel() == read_header(shipped_path(smollm2.identity))["draft_vocab"]
+    ids = smollm2.encode(PROMPTS[0])
+    ar = smollm2.generate(ids, method="ar", max_new_tokens=40)
+    out = smollm2.generate(ids, method="feature", draft_len=3, max_new_tokens=40)
+    assert out.tokens == ar.tokens
+    assert out.stats.accepted > 0.2 * out.stats.drafted  # it drafts well above chance (held out: α ~0.3)
 
 
 def test_qwen_coder_05b_bfloat16_exact_drafters_equal_ar():

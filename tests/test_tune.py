@@ -184,7 +184,7 @@ def test_auto_uses_the_shipped_choice_only_for_its_dtype(tiny, monkeypatch):
 def test_the_shipped_file_names_the_bundled_model():
     from selfspec.profiles import ModelIdentity, shipped_choice
 
-    assert shipped_choice(ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5"), "bfloat16")["method"] == "lookup"
+    assert shipped_choice(ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5"), "bfloat16")["method"] == "feature"
     assert shipped_choice(ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5"), "float32") is None
 
 

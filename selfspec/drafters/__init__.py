@@ -76,20 +76,8 @@ def _hybrid(**o) -> Drafter:
     from selfspec.drafters.lookup import PromptLookup
 
     lookup = PromptLookup(**_given(o, "draft_len", "ngram"))
-    if o.get("skip") or (o.get("profile") or {}).get("layer-skip"):
-        fallback = _layer_skip(**o)
-    elif o.get("asked_exit_layer") is None and _has_feature_head(o):
-        fallback = _feature(**o)
-    else:
-        fallback = _early_exit(**o)
+    fallback = _layer_skip(**o) if o.get("skip") or (o.get("profile") or {}).get("layer-skip") else _early_exit(**o)
     return Hybrid(lookup, fallback)
-
-
-def _has_feature_head(o: dict) -> bool:
-    from selfspec.feature_head import SECTION, shipped_path
-
-    identity = o.get("identity")
-    return identity is not None and bool((o.get("profile") or {}).get(SECTION) or shipped_path(identity).is_file())
 
 
 def _expert_subset(**o) -> Drafter:
