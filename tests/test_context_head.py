@@ -3,7 +3,6 @@ states it reads are the committed positions' h_k after rewinds, alone and batche
 not, output stays the full model's; a few steps of training lower the held-out KL."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from lossless import (
     assert_greedy_lossless,
     assert_sampling_matches_target,
 )
-from tiny_models import VOCAB, tiny_model, tiny_tokenizer
+from tiny_models import VOCAB, tiny_checkpoint_with_prompts, tiny_model
 
 import selfspec
 from selfspec.api import EXACT_ROWS
@@ -280,13 +279,7 @@ def test_calibrate_saves_and_early_exit_finds_the_head(tiny, tmp_path, monkeypat
 
 def test_cli_calibrate_context_head_on_a_tiny_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path / "profiles"))
-    ckpt = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(ckpt)
-    tiny_tokenizer().save_pretrained(ckpt)
-    rng = random.Random(0)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, VOCAB)}" for _ in range(6))})
-                               + "\n" for _ in range(4)))
+    ckpt, prompts = tiny_checkpoint_with_prompts(tmp_path)
     assert main(["calibrate", "--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", "4", "-n", "6",
                  "-k", "2", "--steps", "2", "--batch-size", "8", "--sequences", "2", "--heads", "2",
                  "--head", "context", "--output", str(tmp_path / "cal"), "--holdout", "0.25"]) == 0

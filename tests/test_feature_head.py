@@ -191,20 +191,13 @@ def _batches(model, data):
 
 def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch, capsys):
     import json
-    import random
 
-    from tiny_models import VOCAB, tiny_model, tiny_tokenizer
+    from tiny_models import tiny_checkpoint_with_prompts
 
     from selfspec.cli import main
 
     monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path / "profiles"))
-    ckpt = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(ckpt)
-    tiny_tokenizer().save_pretrained(ckpt)
-    rng = random.Random(0)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, VOCAB)}" for _ in range(6))})
-                               + "\n" for _ in range(4)))
+    ckpt, prompts = tiny_checkpoint_with_prompts(tmp_path)
     assert main(["calibrate", "--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", "4", "-n", "6",
                  "--steps", "3", "--batch-size", "8", "--sequences", "2", "--heads", "2", "--samples", "1",
                  "--noise", "0.1", "--train-vocab", "50", "--head", "feature", "--output", str(tmp_path / "cal"),

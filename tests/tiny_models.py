@@ -64,6 +64,22 @@ def tiny_tokenizer(chat_template: str | None = None):
     return tokenizer
 
 
+def tiny_checkpoint_with_prompts(directory, prompts: int = 4):
+    """A tiny llama checkpoint with its tokenizer saved under `directory`, and a JSONL file of
+    `prompts` random 6-word prompts beside it (what `selfspec calibrate` takes): (checkpoint, prompts)."""
+    import json
+    import random
+
+    ckpt = directory / "tiny"
+    tiny_model("llama").save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    rng = random.Random(0)
+    path = directory / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, VOCAB)}" for _ in range(6))}) + "\n"
+                            for _ in range(prompts)))
+    return ckpt, path
+
+
 def build(config, seed: int = 0, dtype=torch.float32):
     """The model of `config` with random weights drawn as tiny_model's are."""
     config.eos_token_id = None
