@@ -23,3 +23,8 @@ $B --method feature -g 1 --draft-vocab 4096 --json $R/bench_v4096_g1.json --mark
 for T in 0 0.7 1.0; do
   $B --method auto --temperature $T --seed 0 --json $R/sampling/auto_t$T.json --markdown $R/sampling/auto_t$T.md
 done
+# After the subset sampler (a pruned draft head's q computed over its own tokens), T = 1.0 twice:
+for T in 0.7 1.0; do
+  $B --method auto --temperature $T --seed 0 --json $R/sampling/auto_t${T}_subset_q.json --markdown $R/sampling/auto_t${T}_subset_q.md
+done
+$B --method auto --temperature 1.0 --seed 0 --json $R/sampling/auto_t1.0_subset_q_run2.json --markdown $R/sampling/auto_t1.0_subset_q_run2.md

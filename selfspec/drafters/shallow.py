@@ -87,8 +87,14 @@ def draft_token(
     logits = ctx.adapter.head(h) if head is None else head.subset_logits(h)  # [1, vocab] or [1, N]
     if ctx.sampling.greedy:
         return (logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]), None, logits
-    q = logits_to_probs(logits if head is None else head.to_vocab(logits), ctx.sampling)
-    return sample(q, generator).view(1), q, logits
+    if head is None:
+        q = logits_to_probs(logits, ctx.sampling)
+        return sample(q, generator).view(1), q, logits
+    # The same distribution as over the full vocabulary with -inf outside the subset, computed and
+    # drawn over the N subset tokens, then spread into q [1, vocab] (zero outside) for the verify.
+    subset = logits_to_probs(logits, ctx.sampling)  # [1, N]
+    token = head.ids[sample(subset, generator)].view(1)
+    return token, subset.new_zeros(subset.shape[0], head.vocab_size).index_copy_(1, head.ids, subset), logits
 
 
 def top1_probability(logits: torch.Tensor) -> float:
