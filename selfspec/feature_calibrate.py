@@ -242,7 +242,6 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
         # sequence's last position (whose teacher follows the data's end).
         last = spans - 1 - (starts + spans == lengths).long()
         where = 1 + (torch.rand(len(chosen), per_sequence, generator=generator) * last[:, None].clamp_min(1)).long()
-        where = torch.minimum(where, last[:, None].clamp_min(1))
         previous, embedded = batches.inputs(chosen, starts.tolist(), window)
         if noise:
             scale = previous.pow(2).mean(-1, keepdim=True).sqrt()

@@ -14,7 +14,7 @@ import torch
 
 from selfspec.draft_head import PrunedHead
 from selfspec.drafters.base import Draft, DraftContext
-from selfspec.drafters.shallow import draft_token, top1_probability
+from selfspec.drafters.shallow import confident, draft_token
 from selfspec.feature_head import FeatureHead, FeatureState
 
 DEFAULT_THRESHOLD = 0.3  # stop a draft after a token the head gives less than this
@@ -52,7 +52,7 @@ class FeatureDraft:
         if self.draft_ids is not None and (self.head is None or not self.head.built_for(adapter)):
             self.head = PrunedHead(adapter, self.draft_ids)
         self.ctx = ctx
-        self.state = FeatureState(self.feature_head, ctx.cache, lambda ids: adapter.embed(ids))
+        self.state = FeatureState(self.feature_head, ctx.cache, adapter.embed)
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
         gamma = min(self.draft_len, max_len)
@@ -67,10 +67,8 @@ class FeatureDraft:
             tokens.append(token)
             if q is not None:
                 probs.append(q)
-            if self.threshold > 0 and len(tokens) < gamma:  # (after the last token there is nothing to stop)
-                top = top1_probability(logits) if q is None else float(q.max())
-                if top < self.threshold:
-                    break
+            if i + 1 < gamma and not confident(self.threshold, q, logits):
+                break
         return Draft(tokens=torch.cat(tokens), draft_probs=torch.cat(probs) if probs else None)
 
     def observe(self, n_accepted: int) -> None:

@@ -56,14 +56,10 @@ def draft_shallow(
         hidden.append(h)
         h = adapter.run_layers(h, after, start + i, ctx.cache, skip=skip, experts=experts)
         token, q, logits = draft_token(ctx, h, ctx.generator, transform, head)
-        if q is None:
-            # Over a subset too: its softmax is that of the full-vocabulary logits, -inf elsewhere.
-            confident = threshold <= 0 or top1_probability(logits) >= threshold
-        else:
+        if q is not None:
             probs.append(q)
-            confident = threshold <= 0 or float(q.max()) >= threshold
         tokens.append(token)
-        if not confident:
+        if i + 1 < gamma and not confident(threshold, q, logits):
             break
     return Draft(
         tokens=torch.cat(tokens),
@@ -95,6 +91,15 @@ def draft_token(
     subset = logits_to_probs(logits, ctx.sampling)  # [1, N]
     token = head.ids[sample(subset, generator)].view(1)
     return token, subset.new_zeros(subset.shape[0], head.vocab_size).index_copy_(1, head.ids, subset), logits
+
+
+def confident(threshold: float, q: torch.Tensor | None, logits: torch.Tensor) -> bool:
+    """Whether a draft goes on after this token: its top-1 probability (from q when sampling, else
+    from the logits, over a pruned head's subset too: its softmax is that of the full-vocabulary
+    logits, -inf elsewhere) reaches `threshold`; always with threshold 0."""
+    if threshold <= 0:
+        return True
+    return (top1_probability(logits) if q is None else float(q.max())) >= threshold
 
 
 def top1_probability(logits: torch.Tensor) -> float:

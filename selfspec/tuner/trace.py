@@ -14,6 +14,7 @@ time, so a near-tie can break differently. The tuner's timed check runs the real
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,9 +108,7 @@ def replay_feature(t: Trace, adapter, drafter) -> tuple[Rounds, float]:
     """The rounds the engine runs for a feature-head drafter (selfspec.drafters.feature, greedy)
     on this prompt, the drafter itself proposing from the trace's final states; and the seconds
     its proposals took (c's numerator)."""
-    import time
-
-    from selfspec.drafters.base import DraftContext
+    from selfspec.drafters.base import DraftContext  # (drafters import the tuner's neighbours)
     from selfspec.sampling import SamplingParams
     from selfspec.stats import GenerationStats
 
