@@ -28,3 +28,7 @@ for T in 0.7 1.0; do
   $B --method auto --temperature $T --seed 0 --json $R/sampling/auto_t${T}_subset_q.json --markdown $R/sampling/auto_t${T}_subset_q.md
 done
 $B --method auto --temperature 1.0 --seed 0 --json $R/sampling/auto_t1.0_subset_q_run2.json --markdown $R/sampling/auto_t1.0_subset_q_run2.md
+# A busy neighbour: one python busy loop beside a bench with no --threads (selfspec picks the free cores).
+.venv/bin/python -c "while True: pass" & BUSY=$!
+.venv/bin/selfspec bench -n 64 --method auto --no-hf --json $R/bench_auto_busy.json --markdown $R/bench_auto_busy.md
+kill $BUSY
