@@ -298,6 +298,10 @@ def _build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--noise", type=float, default=0.0,
                      help="--head feature: Gaussian noise (in RMS units) on the previous-state inputs in training "
                           "(default 0)")
+    cal.add_argument("--data", default=None, metavar="FILE",
+                     help="--head feature: keep the decoded training data in FILE and reuse it on a later run with "
+                          "the same model, prompts, -n, --samples and --seed (decoding is most of the time; "
+                          "use it to try training settings)")
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
 
     t = sub.add_parser("tune", help="find the fastest k and γ for this model on this machine; --method auto uses it",
@@ -742,7 +746,7 @@ def _calibrate_feature(args, model, prompts: list[str], setup: dict) -> int:
         model, prompts, max_new_tokens=args.max_new_tokens, samples=args.samples, noise=args.noise,
         steps=args.steps, sequences=args.sequences,
         positions=args.batch_size, lr=args.lr, width=args.width, heads=args.heads, draft_vocab=train_vocab,
-        holdout=args.holdout, seed=args.seed, progress=not args.json)
+        holdout=args.holdout, seed=args.seed, progress=not args.json, data_path=args.data)
     setup.update(head="feature", heads=args.heads, sequences=args.sequences, samples=args.samples, noise=args.noise,
                  train_vocab=int(trained.draft_ids.numel()))
     path, profile = feature_calibrate.save(trained, model.identity, args.output, setup)

@@ -42,6 +42,7 @@ from safetensors.torch import load_file
 from selfspec import tagged_file
 from selfspec.cache import KVCache
 from selfspec.context_head import ContextHead
+from selfspec.fused_feature import ROWS
 from selfspec.gemv import project
 from selfspec.profiles import ModelIdentity, profiles_dir
 
@@ -91,10 +92,13 @@ class FeatureState:
     at a time from the head's own last prediction: tentative entries, which the next round
     overwrites from the committed states."""
 
-    def __init__(self, head: FeatureHead, cache: KVCache, embed):
+    def __init__(self, head: FeatureHead, cache: KVCache, embed, fused=None):
+        """fused: the head's step as one kernel call (selfspec.fused_feature.FusedFeature), used for
+        calls of at most its ROWS rows; None: the PyTorch modules throughout."""
         if cache.exit_layer != head.n_layers or cache.exit_states is None:
             raise ValueError(f"the cache keeps no final states (k = {head.n_layers})")
-        self.head, self.cache, self.embed = head, cache, embed
+        self.head, self.cache, self.embed, self.fused = head, cache, embed, fused
+        self.logits = None  # the fused step's draft-head logits [1, N] of its last prediction, or None
         self.kv = head.new_kv(cache.capacity, dtype=cache.exit_states.dtype, device=cache.exit_states.device)
         self.filled = 0  # positions whose head entries come from committed states
         self.position = 0
@@ -111,19 +115,25 @@ class FeatureState:
         committed[start] is the pending token."""
         valid = min(self.filled, start)
         ids = torch.tensor(committed[valid:start + 1], dtype=torch.long, device=self.cache.exit_states.device)
-        s = self.head.inputs(self.previous(valid, start + 1), self.embed(ids))
         self.kv.rewind(valid)
-        out = self.head.block.step(s, valid, self.kv)
+        out = self._run(self.previous(valid, start + 1), self.embed(ids), valid)
         self.filled = self.position = start + 1
         return out[:, -1:]
 
     def step(self, previous: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The predicted final state [1, 1, d] at the next position, whose token is `token` [1] and
         whose preceding final state is `previous` [1, 1, d] (the head's last prediction)."""
-        s = self.head.inputs(previous, self.embed(token))
-        out = self.head.block.step(s, self.position, self.kv)
+        out = self._run(previous, self.embed(token), self.position)
         self.position += 1
         return out
+
+    def _run(self, previous: torch.Tensor, embedded: torch.Tensor, start: int) -> torch.Tensor:
+        """The head's predictions [1, n, d] at positions start .., their keys and values written."""
+        if self.fused is not None and previous.shape[1] <= ROWS:
+            out, self.logits = self.fused(previous, embedded, start, self.kv)
+            return out
+        self.logits = None
+        return self.head.block.step(self.head.inputs(previous, embedded), start, self.kv)
 
 
 # -- on disk ------------------------------------------------------------------------------------

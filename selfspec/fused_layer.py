@@ -36,7 +36,7 @@ class Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
                 ("head_dim", ctypes.c_long), ("inter", ctypes.c_long), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("act", ctypes.c_int), ("sandwich", ctypes.c_int),
-                ("qk_norm", ctypes.c_int)]
+                ("qk_norm", ctypes.c_int), ("gated", ctypes.c_int)]
 
 
 class Weights(ctypes.Structure):
@@ -85,7 +85,7 @@ class FusedLayers:
         self.dtype = DTYPES[step.weights[0].wqkv.dtype]
         inter = step.weights[0].wgu.shape[0] // 2
         self.dims = Dims(step.weights[0].wo.shape[0], shape.n_heads, shape.n_kv_heads, shape.head_dim, inter, shape.eps,
-                         shape.scale, ACTS[shape.act], int(shape.sandwich), int(shape.qk_norm))
+                         shape.scale, ACTS[shape.act], int(shape.sandwich), int(shape.qk_norm), 1)
         self.structs = []
         for lw in step.weights:
             scales = [_ptr(s) for s in lw.scales] or [None] * 4

@@ -33,7 +33,9 @@ import torch
 
 MAX_ROWS = 16  # four per pass over the weights (kernels/product.h)
 KERNELS = Path(__file__).with_name("kernels")
-SOURCE = KERNELS / "gemv.cpp"  # and the fused layer (layer.cpp), both over product.h, in one library
+SOURCE = KERNELS / "gemv.cpp"  # and the fused layer and feature step, all over product.h, in one library
+PARTS = ["layer.cpp", "feature.cpp"]  # beside SOURCE
+HEADERS = ["product.h", "layer.h"]
 # No contraction or reassociation beyond the kernel's own FMAs: one fixed rounding per row.
 FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _STATE: dict = {}
@@ -60,8 +62,8 @@ def _build() -> ctypes.CDLL | None:
     # SELFSPEC_GEMV=avx2 keeps AVX2 throughout (the tests check both paths on one machine).
     pairs = "avx512_bf16" in _cpu_flags() and os.environ.get("SELFSPEC_GEMV") != "avx2"
     flags = FLAGS + (["-mavx512f", "-mavx512bf16"] if pairs else [])
-    sources = [SOURCE, SOURCE.with_name("layer.cpp")]
-    text = b"".join(path.read_bytes() for path in [*sources, SOURCE.with_name("product.h")])
+    sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
+    text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])
     digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"gemv-{digest}.so"
     if not target.exists():
@@ -85,6 +87,8 @@ def _build() -> ctypes.CDLL | None:
     lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = lib.selfspec_gemv_f32.restype = i32
     lib.selfspec_layer.argtypes = [ptr, ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
     lib.selfspec_layer.restype = i32
+    lib.selfspec_feature.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
+    lib.selfspec_feature.restype = i32
     return lib
 
 

@@ -120,6 +120,59 @@ def check_state(model, drafter):
         torch.testing.assert_close(state.kv.values[..., :valid, :], kv.values[..., :valid, :], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_equals_the_modules(arch, dtype):
+    """The head's step as one kernel call (selfspec.fused_feature): the same predictions, draft-head
+    logits and head KV as the PyTorch modules, within the dtype's rounding, over a round's first
+    call (several committed rows) and draft steps on its own predictions."""
+    import selfspec
+    from tiny_models import tiny_model
+
+    from selfspec.draft_head import PrunedHead
+    from selfspec.feature_head import FeatureState
+    from selfspec.fused_feature import FusedFeature, unsupported_reason
+
+    model = selfspec.SelfSpecModel(tiny_model(arch, 0, dtype), name=f"tiny-{arch}")
+    adapter = model.adapter
+    head = random_head(model).to(dtype)
+    pruned = PrunedHead(adapter, torch.arange(3, 90, 3))
+    assert unsupported_reason(head, adapter, pruned) is None
+    tokens = PROMPT + [5, 9, 14, 2, 7]
+    cache = adapter.new_cache(64)
+    cache.keep_exit_states(adapter.n_layers, HIDDEN)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    with torch.inference_mode():
+        adapter.run_layers(adapter.embed(torch.tensor(tokens)), range(adapter.n_layers), 0, cache)
+        runs = []
+        for fused in (None, FusedFeature(head, adapter, pruned)):
+            state, out = FeatureState(head, cache, adapter.embed, fused), []
+            for start in (len(PROMPT) - 1, len(PROMPT) + 2):  # the prompt (<= 16 rows), then 3 committed
+                predicted = state.first(start, tokens)
+                for token in tokens[start + 1:start + 3]:
+                    logits = state.logits if fused else pruned.subset_logits(predicted)
+                    out += [predicted.float(), logits.float().clone()]
+                    predicted = state.step(predicted, torch.tensor([token]))
+            runs.append((out, state.kv.keys[..., :state.position, :].float(), state.kv.values[..., :state.position, :].float()))
+    (modules, keys, values), (kernel, fused_keys, fused_values) = runs
+    assert len(kernel) == 8 and all(x is not None for x in kernel)
+    for a, b in zip(kernel, modules):
+        torch.testing.assert_close(a, b, **tolerance)
+    torch.testing.assert_close(fused_keys, keys, **tolerance)
+    torch.testing.assert_close(fused_values, values, **tolerance)
+
+
+def test_drafter_runs_the_fused_step_unless_turned_off(tiny, monkeypatch):
+    model = tiny("llama")
+    drafter = FeatureDraft(random_head(model), draft_len=3, draft_ids=torch.arange(50), threshold=0)
+    out = assert_greedy_lossless(model, drafter=drafter)
+    assert drafter.state.fused is not None and out.stats.drafted > 0
+    monkeypatch.setenv("SELFSPEC_FUSED", "0")
+    drafter = FeatureDraft(random_head(model), draft_len=3, draft_ids=torch.arange(50), threshold=0)
+    assert_greedy_lossless(model, drafter=drafter)
+    assert drafter.state.fused is None
+
+
 def test_sampling_matches_the_target(tiny):
     model = tiny("llama")
     drafter = FeatureDraft(random_head(model, scale=0.1), draft_len=3, draft_ids=torch.arange(50))

@@ -16,6 +16,7 @@ from selfspec.draft_head import PrunedHead
 from selfspec.drafters.base import Draft, DraftContext
 from selfspec.drafters.shallow import confident, draft_token
 from selfspec.feature_head import FeatureHead, FeatureState
+from selfspec.fused_feature import FusedFeature, unsupported_reason
 
 DEFAULT_THRESHOLD = 0.3  # stop a draft after a token the head gives less than this
 
@@ -52,7 +53,10 @@ class FeatureDraft:
         if self.draft_ids is not None and (self.head is None or not self.head.built_for(adapter)):
             self.head = PrunedHead(adapter, self.draft_ids)
         self.ctx = ctx
-        self.state = FeatureState(self.feature_head, ctx.cache, adapter.embed)
+        fused = None
+        if unsupported_reason(self.feature_head, adapter, self.head) is None:
+            fused = FusedFeature(self.feature_head, adapter, self.head)
+        self.state = FeatureState(self.feature_head, ctx.cache, adapter.embed, fused)
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
         gamma = min(self.draft_len, max_len)
@@ -63,7 +67,8 @@ class FeatureDraft:
         for i in range(gamma):
             if i:
                 predicted = self.state.step(predicted, token)
-            token, q, logits = draft_token(self.ctx, predicted, self.ctx.generator, head=self.head)
+            token, q, logits = draft_token(self.ctx, predicted, self.ctx.generator, head=self.head,
+                                           logits=self.state.logits)
             tokens.append(token)
             if q is not None:
                 probs.append(q)

@@ -75,12 +75,15 @@ def draft_token(
     generator: torch.Generator | None,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head: PrunedHead | None = None,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The draft's next token from its last hidden state h [1, 1, hidden] (see draft_shallow for
     transform and head): the argmax when greedy, else a sample from q drawn with `generator`.
+    logits: the head's logits of h when already computed (the fused feature step), else None.
     Returns (token [1], q [1, vocab] or None when greedy, the head's logits)."""
-    h = h if transform is None else transform(h)
-    logits = ctx.adapter.head(h) if head is None else head.subset_logits(h)  # [1, vocab] or [1, N]
+    if logits is None:
+        h = h if transform is None else transform(h)
+        logits = ctx.adapter.head(h) if head is None else head.subset_logits(h)  # [1, vocab] or [1, N]
     if ctx.sampling.greedy:
         return (logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]), None, logits
     if head is None:

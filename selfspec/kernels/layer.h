@@ -1,0 +1,309 @@
+// One decoder layer for one to sixteen rows in one call (see selfspec/fused_layer.py for why):
+// the templates behind selfspec_layer (layer.cpp) and the feature head's step (feature.cpp).
+// norm, fused QKV product, rotary, cache write, attention over the cache, O product and residual,
+// norm, gate/up product, activation, down product and residual. Pre-norm (Llama, Qwen2) and
+// sandwich (Gemma 3) layouts, optional per-head q/k norms and a sliding window.
+//
+// Every row's arithmetic is its own, in one fixed order whatever the number of rows in the call
+// and the thread count: products through product.h four rows at a time, attention one (row, head)
+// per task over that row's own keys. So a verify's rows are the AR step's rows bit for bit.
+//
+// Elementwise steps round as PyTorch's bfloat16 ops do (each op's result rounded once), so the
+// layer stays within rounding of the HF modules; E is bfloat16 (uint16 bits) or float.
+#pragma once
+#include "product.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+struct Dims {
+    long hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    int act;       // 0: SiLU, 1: GELU (tanh approximation)
+    int sandwich;  // Gemma 3: (1 + w) norms in float32, and norms after attention and the MLP
+    int qk_norm;   // per-head norms on q and k before rotary
+    int gated;     // 1: act(gate) · up from a [gate | up] product (the models); 0: act(up) (the feature head)
+};
+
+struct Weights {
+    const void *wqkv, *bqkv, *wo, *wgu, *wd;         // [out, in]; bqkv may be null
+    const uint16_t *sqkv, *so, *sgu, *sd;            // int8's per-output-row scales, else null
+    const void *norm_in, *norm_attn, *norm_ff, *norm_post;  // pre-norm: norm_in and norm_ff only
+    const void *q_norm, *k_norm;                     // [head_dim], or null
+};
+
+// Eight elements of E as floats, and eight floats stored as E (rounded to nearest even, as
+// float_to_bf16 rounds every finite value); rnd8: v rounded to E, as floats.
+static inline __m256 load8f(const uint16_t* p) { return load8(p); }
+static inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256i round_bits(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+}
+static inline void store8f(uint16_t* p, __m256 v) {
+    __m256i u = _mm256_srli_epi32(round_bits(v), 16);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+static inline void store8f(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+template <typename E> static inline __m256 rnd8(__m256 v) {
+    if constexpr (std::is_same<E, float>::value) return v;
+    else return _mm256_castsi256_ps(_mm256_and_si256(round_bits(v), _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+// e^x on 8 lanes (Cephes' polynomial, ~1 ulp): the same result for a value wherever it sits.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    const float c[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    for (float ci : c) y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(ci));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(x, x)), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static void exp_inplace(float* x, long n) {  // the tail through a padded vector: same per element
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+    if (i < n) {
+        float t[8] = {0};
+        for (long j = i; j < n; j++) t[j - i] = x[j];
+        _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
+        for (long j = i; j < n; j++) x[j] = t[j - i];
+    }
+}
+
+// RMSNorm of one row x [dim] (dim % 8 == 0) into out: Llama's (statistics in float32, normalised
+// row rounded to E, times w in E), or with gemma, (1 + w) applied in float32 and rounded once.
+template <typename E>
+static void norm(const E* x, const E* w, E* out, long dim, float eps, bool gemma) {
+    __m256 acc = _mm256_setzero_ps();
+    for (long i = 0; i < dim; i += 8) {
+        __m256 v = load8f(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)dim + eps)), one = _mm256_set1_ps(1.0f);
+    for (long i = 0; i < dim; i += 8) {
+        __m256 v = _mm256_mul_ps(load8f(x + i), r), wi = load8f(w + i);
+        if (gemma) v = _mm256_mul_ps(v, _mm256_add_ps(one, wi));
+        else if constexpr (std::is_same<E, float>::value) v = _mm256_mul_ps(v, wi);
+        else v = _mm256_mul_ps(wi, rnd8<E>(v));
+        store8f(out + i, v);
+    }
+}
+
+// h [dim] += a [dim], rounded to E.
+template <typename E>
+static void residual(E* h, const E* a, long dim) {
+    for (long i = 0; i < dim; i += 8) store8f(h + i, _mm256_add_ps(load8f(h + i), load8f(a + i)));
+}
+
+// y [n, N] = x [n, K] · Wᵀ (product.h).
+template <typename T, typename E>
+static void linear(const void* W, const E* x, const uint16_t* scale, const void* bias, E* y, long N, long K, int n,
+                   int threads, float* X) {
+    product<T, E>((const T*)W, x, scale, (const E*)bias, y, N, K, n, n, threads, X);
+}
+
+// Rotary embedding of one head's row in place (head_dim % 16 == 0), as HF's
+// q·cos + rotate_half(q)·sin in dtype E: each product and the sum rounded to E.
+template <typename E>
+static void rotate(E* x, const E* cos, const E* sin, long hd) {
+    const long half = hd / 2;
+    const __m256 minus = _mm256_set1_ps(-1.0f);
+    for (long i = 0; i < half; i += 8) {
+        __m256 lo = load8f(x + i), hi = load8f(x + half + i);
+        __m256 new_lo = rnd8<E>(_mm256_add_ps(rnd8<E>(_mm256_mul_ps(lo, load8f(cos + i))),
+                                              rnd8<E>(_mm256_mul_ps(_mm256_mul_ps(hi, minus), load8f(sin + i)))));
+        __m256 new_hi = rnd8<E>(_mm256_add_ps(rnd8<E>(_mm256_mul_ps(hi, load8f(cos + half + i))),
+                                              rnd8<E>(_mm256_mul_ps(lo, load8f(sin + half + i)))));
+        store8f(x + i, new_lo);
+        store8f(x + half + i, new_hi);
+    }
+}
+
+// This thread's buffer for one (row, head)'s len attention scores.
+static float* scores(long len) {
+    static thread_local std::vector<float> buf;
+    if ((long)buf.size() < len) buf.resize(len);
+    return buf.data();
+}
+
+// Scores s [len] with maximum m -> e^(s - m) in place; returns their sum (one fixed order).
+static float softmax_weights(float* s, long len, float m) {
+    for (long j = 0; j < len; j++) s[j] -= m;
+    exp_inplace(s, len);
+    float sum = 0.0f;
+    for (long j = 0; j < len; j++) sum += s[j];
+    return sum;
+}
+
+// One query row of one head against keys lo..p of its KV head; o [head_dim] in E. HD: the head
+// size when it is one of the common ones (q and the output accumulator then live in registers),
+// else 0 and hd at run time. The arithmetic per element is the same either way.
+template <typename E, int HD>
+static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long hd_runtime, float scale, E* o) {
+    const long hd = HD ? HD : hd_runtime;
+    constexpr int V = HD ? HD / 8 : 64;  // 8-lane vectors per head row (64: room for head_dim 512)
+    const long len = p - lo + 1;
+    float* s = scores(len);
+    __m256 qv[V], acc[V];
+    for (long i = 0; i < hd / 8; i++) qv[i] = load8f(q + 8 * i), acc[i] = _mm256_setzero_ps();
+    float m = -INFINITY;
+    for (long j = 0; j < len; j++) {
+        const E* k = kc + (lo + j) * hd;
+        __m256 a = _mm256_setzero_ps();
+        for (long i = 0; i < hd / 8; i++) a = _mm256_fmadd_ps(qv[i], load8f(k + 8 * i), a);
+        s[j] = hsum(a) * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    const float sum = softmax_weights(s, len, m);
+    for (long j = 0; j < len; j++) {
+        const E* v = vc + (lo + j) * hd;
+        __m256 pj = _mm256_set1_ps(s[j]);
+        for (long i = 0; i < hd / 8; i++) acc[i] = _mm256_fmadd_ps(pj, load8f(v + 8 * i), acc[i]);
+    }
+    const __m256 inv = _mm256_set1_ps(sum);
+    for (long i = 0; i < hd / 8; i++) store8f(o + 8 * i, _mm256_div_ps(acc[i], inv));
+}
+
+#ifdef __AVX512BF16__
+// bfloat16 with AVX512-BF16: q·k as pair dot products of the bfloat16 rows themselves (no
+// conversion), the weighted sum of v on 16 lanes. Its own fixed order per (row, head), as above.
+template <int HD>
+static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, float scale,
+                         uint16_t* o) {
+    static_assert(HD % 32 == 0, "head size");
+    const long len = p - lo + 1;
+    float* s = scores(len);
+    __m512bh qz[HD / 32];
+    __m512 acc[HD / 16];
+    for (int i = 0; i < HD / 32; i++) qz[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+    for (int i = 0; i < HD / 16; i++) acc[i] = _mm512_setzero_ps();
+    float m = -INFINITY;
+    for (long j = 0; j < len; j++) {
+        const uint16_t* k = kc + (lo + j) * HD;
+        __m512 a = _mm512_setzero_ps();
+        for (int i = 0; i < HD / 32; i++) a = _mm512_dpbf16_ps(a, qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+        s[j] = hsum16(a) * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    const float sum = softmax_weights(s, len, m);
+    for (long j = 0; j < len; j++) {
+        const uint16_t* v = vc + (lo + j) * HD;
+        __m512 pj = _mm512_set1_ps(s[j]);
+        for (int i = 0; i < HD / 16; i++) {
+            __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + 16 * i))), 16));
+            acc[i] = _mm512_fmadd_ps(pj, vf, acc[i]);
+        }
+    }
+    const __m256 inv = _mm256_set1_ps(sum);
+    for (int i = 0; i < HD / 16; i++) {
+        store8f(o + 16 * i, _mm256_div_ps(_mm512_castps512_ps256(acc[i]), inv));
+        store8f(o + 16 * i + 8, _mm256_div_ps(high8(acc[i]), inv));
+    }
+}
+#endif
+
+template <typename E>
+static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, long hd, float scale, E* o) {
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same<E, uint16_t>::value) {
+        switch (hd) {
+            case 64: return attend_pairs<64>(q, kc, vc, lo, p, scale, o);
+            case 128: return attend_pairs<128>(q, kc, vc, lo, p, scale, o);
+            case 256: return attend_pairs<256>(q, kc, vc, lo, p, scale, o);
+        }
+    }
+#endif
+    switch (hd) {
+        case 64: return attend<E, 64>(q, kc, vc, lo, p, hd, scale, o);
+        case 128: return attend<E, 128>(q, kc, vc, lo, p, hd, scale, o);
+        case 256: return attend<E, 256>(q, kc, vc, lo, p, hd, scale, o);
+        default: return attend<E, 0>(q, kc, vc, lo, p, hd, scale, o);
+    }
+}
+
+// act [I] = act(gate) · up for one row of gu = [gate | up] [2·I] (I % 8 == 0), each op rounded
+// to E: SiLU g / (1 + e^-g), or GELU's tanh form with tanh(u) = 1 - 2 / (e^2u + 1). Not gated:
+// act [I] = act(gu [I]).
+template <typename E>
+static void activation(const E* gu, E* act, long I, int kind, bool gated) {
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 c0 = _mm256_set1_ps(2.0f * 0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
+    for (long i = 0; i < I; i += 8) {
+        __m256 g = load8f(gu + i), a;
+        if (kind == 0) {
+            a = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        } else {
+            __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+            __m256 e = exp8(_mm256_mul_ps(c0, _mm256_add_ps(g, _mm256_mul_ps(c1, g3))));
+            a = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_sub_ps(two, _mm256_div_ps(two, _mm256_add_ps(e, one))));
+        }
+        store8f(act + i, gated ? _mm256_mul_ps(rnd8<E>(a), load8f(gu + I + i)) : a);
+    }
+}
+
+template <typename T, typename E>
+static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long window, const E* cos, const E* sin,
+                 E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads) {
+    const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
+    const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
+    if (n < 1 || n > MAX_ROWS || hd % 16 || hd > 512 || H % 8 || I % 8 || start + n > capacity) return 1;
+    const long widest = std::max(std::max(H, I), qdim);
+    static thread_local std::vector<E> work;
+    static thread_local std::vector<float> X;
+    // Sized for MAX_ROWS once, so calls alternating between 1 and n rows (draft, verify) neither
+    // reallocate nor zero-fill the buffers.
+    const size_t per_row = H + qkv_dim + qdim + H + 3 * I;
+    if (work.size() < MAX_ROWS * per_row) work.resize(MAX_ROWS * per_row);
+    if (X.size() < (size_t)(4 * widest)) X.resize(4 * widest);
+    E *x = work.data(), *qkv = x + n * H, *o = qkv + n * qkv_dim, *a = o + n * qdim, *gu = a + n * H, *act = gu + 2 * n * I;
+    const bool gemma = d.sandwich;
+    if (do_attn) {
+        for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_in, x + r * H, H, d.eps, gemma);
+        linear<T, E>(w.wqkv, x, w.sqkv, w.bqkv, qkv, qkv_dim, H, n, threads, X.data());
+        for (int r = 0; r < n; r++) {
+            long p = start + r;
+            E* row = qkv + r * qkv_dim;
+            for (long head = 0; head < nh + nkv; head++) {
+                E* v = row + head * hd;
+                if (d.qk_norm) norm(v, (const E*)(head < nh ? w.q_norm : w.k_norm), v, hd, d.eps, gemma);
+                rotate(v, cos + p * hd, sin + p * hd, hd);
+            }
+            for (long g = 0; g < nkv; g++) {
+                memcpy(kc + (g * capacity + p) * hd, row + (nh + g) * hd, hd * sizeof(E));
+                memcpy(vc + (g * capacity + p) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
+            }
+        }
+        const long group = nh / nkv, tasks = n * nh;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long t = 0; t < tasks; t++) {
+            long r = t / nh, head = t % nh, g = head / group, p = start + r;
+            long lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+            attend_any(qkv + r * qkv_dim + head * hd, kc + g * capacity * hd, vc + g * capacity * hd, lo, p, hd, d.scale,
+                   o + r * qdim + head * hd);
+        }
+        linear<T, E>(w.wo, o, w.so, nullptr, a, H, qdim, n, threads, X.data());
+        for (int r = 0; r < n; r++) {
+            if (gemma) norm(a + r * H, (const E*)w.norm_attn, a + r * H, H, d.eps, true);
+            residual(h + r * H, a + r * H, H);
+        }
+    }
+    if (do_mlp) {
+        for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_ff, x + r * H, H, d.eps, gemma);
+        const long width = d.gated ? 2 * I : I;
+        linear<T, E>(w.wgu, x, w.sgu, nullptr, gu, width, H, n, threads, X.data());
+        for (int r = 0; r < n; r++) activation(gu + r * width, act + r * I, I, d.act, d.gated);
+        linear<T, E>(w.wd, act, w.sd, nullptr, a, H, I, n, threads, X.data());
+        for (int r = 0; r < n; r++) {
+            if (gemma) norm(a + r * H, (const E*)w.norm_post, a + r * H, H, d.eps, true);
+            residual(h + r * H, a + r * H, H);
+        }
+    }
+    return 0;
+}
