@@ -11,7 +11,8 @@ draft head's logits.
 Only the draft changes: the verify checks every drafted token, so the kernel's rounding (within
 rounding of the PyTorch modules) never reaches the output. Where it does not run (no kernel
 library, CUDA, int8 activations, more than ROWS rows such as a round's first call over a long
-prompt, shapes it does not take, SELFSPEC_FUSED=0) the PyTorch modules do.
+prompt, shapes it does not take, SELFSPEC_FUSED=0, or SELFSPEC_FUSED_FEATURE=0 for this step
+alone) the PyTorch modules do.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class FeatureWeights(ctypes.Structure):
 def unsupported_reason(head, adapter, pruned) -> str | None:
     """Why the step of feature head `head` (with PrunedHead `pruned`, or None: the model's full
     head, computed outside the kernel) cannot run fused on `adapter` (None: it can)."""
-    if os.environ.get("SELFSPEC_FUSED", "1") == "0":
-        return "SELFSPEC_FUSED=0"
+    for name in ("SELFSPEC_FUSED", "SELFSPEC_FUSED_FEATURE"):  # the second: this step alone (for timings)
+        if os.environ.get(name, "1") == "0":
+            return f"{name}=0"
     if adapter.device.type != "cpu" or not gemv.available():
         return "no kernel library on this device"
     dtype = adapter.dtype

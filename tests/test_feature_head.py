@@ -228,6 +228,40 @@ def test_tune_predicts_and_times_feature_drafting(tiny, tmp_path):
     assert len(checked) == 1 and checked[0].identical == "2/2"
     assert checked[0].measured_alpha == pytest.approx(checked[0].rounds.alpha)  # the replay is exact
     assert "feature γ=" in result.table()
+    hybrid = [c for c in result.candidates if c.method == "hybrid"]  # lookup, else the head: replayed too
+    assert [c.draft_len for c in hybrid] == [1, 2] and "hybrid γ=1 (lookup, else feature)" in result.table()
+    checked = [c for c in result.checked if c.method == "hybrid"]
+    assert len(checked) == 1 and checked[0].identical == "2/2"
+    assert checked[0].measured_alpha == pytest.approx(checked[0].rounds.alpha)
+
+
+def test_hybrid_falls_back_to_the_feature_head_ungated_unless_a_k_is_asked(tiny, tmp_path):
+    from lossless import REPETITIVE
+
+    from selfspec.drafters import FEATURE_MIN_NGRAM
+    from selfspec.drafters.early_exit import EarlyExit
+
+    model = tiny("llama")
+    path = save_feature_head(random_head(model), tmp_path / "f.safetensors", model.identity, torch.arange(80))
+    save_section(model.identity, SECTION, {"path": str(path)})
+    try:
+        profile = load_profile(model.identity)
+        hybrid = make_drafter("hybrid", draft_len=3, profile=profile, identity=model.identity)
+        assert isinstance(hybrid.fallback, FeatureDraft) and hybrid.fallback.draft_len == 1
+        assert hybrid.gates is None and hybrid.lookup.min_ngram == FEATURE_MIN_NGRAM and hybrid.draft_len == 3
+        for prompt in (REPETITIVE, PROMPT):
+            out = assert_greedy_lossless(model, prompt, drafter=hybrid)
+            assert out.stats.method == "hybrid" and out.stats.exit_layer is None
+        assert hybrid.lookup_rounds > 0 and hybrid.model_rounds > 0  # both sources drafted
+        out = assert_greedy_lossless(model, REPETITIVE, method="hybrid", draft_len=3)  # by name, as auto runs it
+        assert out.stats.drafted > 0
+        asked = make_drafter("hybrid", draft_len=3, exit_layer=2, asked_exit_layer=2, profile=profile,
+                             identity=model.identity)
+        assert isinstance(asked.fallback, EarlyExit) and asked.gates is not None
+    finally:
+        save_section(model.identity, SECTION, {})
+    assert isinstance(make_drafter("hybrid", draft_len=3, exit_layer=2, profile={}, identity=model.identity).fallback,
+                      EarlyExit)  # no head: early exit, as before
 
 
 def _student(model, ids):

@@ -34,7 +34,7 @@ ENGINE = 2
 
 @dataclass
 class Candidate:
-    method: str  # "early-exit", "lookup" or "feature"
+    method: str  # "early-exit", "lookup", "feature" or "hybrid" (lookup, else the feature head)
     exit_layer: int | None
     draft_len: int
     rounds: Rounds  # replayed over every prompt
@@ -55,6 +55,8 @@ class Candidate:
     def label(self) -> str:
         if self.method in ("lookup", "feature"):
             return f"{self.method} γ={self.draft_len}"
+        if self.method == "hybrid":
+            return f"hybrid γ={self.draft_len} (lookup, else feature)"
         return f"early-exit k={self.exit_layer} γ={self.draft_len}"
 
     def options(self) -> dict:
@@ -167,7 +169,7 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
             rounds = _merged(replay_lookup(t, g, ngram) for t in traces)
             speed = predicted_speedup(rounds, cost=0.0, round_cost=costs.lookup, verify=costs.verify[0])
             candidates.append(Candidate("lookup", None, g, rounds, 0.0, costs.lookup, speed))
-    candidates += _feature_candidates(model, traces, costs, max_draft_len)
+    candidates += _feature_candidates(model, traces, costs, max_draft_len, ngram if lookup else None)
 
     # 4. Time the best predictions against AR, and the best of each family if not among them, so
     #    predicted-vs-measured covers both.
@@ -182,26 +184,33 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
     return TuneResult(n_layers, grid, max_draft_len, lens, costs, candidates, ar_tps, checked, line)
 
 
-def _feature_candidates(model, traces: list[Trace], costs, max_draft_len: int) -> list[Candidate]:
+def _feature_candidates(model, traces: list[Trace], costs, max_draft_len: int, ngram: int | None) -> list[Candidate]:
     """Feature-head drafting at γ = 1 .. max_draft_len when the model has a head (its profile's or
-    the shipped one): replayed with the drafter itself over the traces; c is the replay's own
-    proposal time per drafted token over the measured step."""
+    the shipped one), and (unless ngram is None: no lookup) the hybrid over it, lookup of up to γ
+    tokens else the head's one: replayed with the drafters themselves over the traces; c is the
+    replay's own proposal time per drafted token over the measured step."""
+    from selfspec.drafters import make_drafter
     from selfspec.drafters.feature import FeatureDraft
     from selfspec.feature_head import feature_head_for
     from selfspec.profiles import load_profile
 
+    profile = load_profile(model.identity)
     try:
-        head, draft_ids, _ = feature_head_for(load_profile(model.identity), model.identity)
+        head, draft_ids, _ = feature_head_for(profile, model.identity)
     except (ValueError, FileNotFoundError):
         return []
+    drafters = [("feature", g, FeatureDraft(head, g, draft_ids=draft_ids)) for g in range(1, max_draft_len + 1)]
+    if ngram is not None:
+        drafters += [("hybrid", g, make_drafter("hybrid", draft_len=g, ngram=ngram, profile=profile,
+                                                identity=model.identity))
+                     for g in range(1, max_draft_len + 1)]
     out = []
-    for g in range(1, max_draft_len + 1):
-        drafter = FeatureDraft(head, g, draft_ids=draft_ids)
+    for method, g, drafter in drafters:
         parts = [replay_feature(t, model.adapter, drafter) for t in traces if t.output]
         rounds = _merged(r for r, _ in parts)
         cost = sum(s for _, s in parts) / max(1, sum(rounds.drafted)) / costs.step_s
         speed = predicted_speedup(rounds, cost=cost, verify=costs.verify[0])
-        out.append(Candidate("feature", None, g, rounds, cost, 0.0, speed))
+        out.append(Candidate(method, None, g, rounds, cost, 0.0, speed))
     return out
 
 

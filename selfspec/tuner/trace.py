@@ -105,8 +105,8 @@ def replay_lookup(t: Trace, draft_len: int, ngram: int = 3) -> Rounds:
 
 
 def replay_feature(t: Trace, adapter, drafter) -> tuple[Rounds, float]:
-    """The rounds the engine runs for a feature-head drafter (selfspec.drafters.feature, greedy)
-    on this prompt, the drafter itself proposing from the trace's final states; and the seconds
+    """The rounds the engine runs for a feature-head drafter (selfspec.drafters.feature, or the
+    hybrid over it: lookup, else the head; greedy) on this prompt, the drafter itself proposing from the trace's final states; and the seconds
     its proposals took (c's numerator)."""
     from selfspec.drafters.base import DraftContext  # (drafters import the tuner's neighbours)
     from selfspec.sampling import SamplingParams

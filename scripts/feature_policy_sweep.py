@@ -1,0 +1,83 @@
+"""Feature-head draft policies on tune's held-out calibration prompts (never the benchmark's, never
+trained on): draft length γ and the confidence threshold that stops a draft after a token the head
+is unsure of. Interleaves AR and each policy per prompt, so drift in this machine's speed hits all
+alike; prints tokens/s, × AR, α, tokens per round and rounds, and checks every output equals AR's.
+
+    .venv/bin/python scripts/feature_policy_sweep.py [-n 64] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import selfspec
+from selfspec.bench import load_prompts
+
+
+def hybrid(model, draft_len: int, min_ngram: int):
+    from selfspec.drafters import DRAFTERS
+    from selfspec.drafters.hybrid import Hybrid
+    from selfspec.drafters.lookup import PromptLookup
+
+    feature = DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=1)
+    return Hybrid(PromptLookup(draft_len=draft_len, ngram=max(3, min_ngram), min_ngram=min_ngram), feature, gate=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--policies", default="1:0.3,2:0.3,2:0.6,2:0.8,3:0.6,3:0.8,3:0.9",
+                        help="γ:threshold pairs of the feature draft, or hybrid:γ:n (prompt lookup of up to γ "
+                             "tokens where a suffix of at least n tokens matches, else the feature draft γ = 1, "
+                             "no payoff gates), comma-separated")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    model = selfspec.load("smollm2", dtype="bfloat16")
+    prompts = [p.text for p in load_prompts(None, 2, default="calibration.jsonl")]
+    policies = [("ar", None, None)]
+    for p in args.policies.split(","):
+        parts = p.split(":")
+        policies.append(("hybrid", int(parts[1]), int(parts[2])) if parts[0] == "hybrid"
+                        else ("feature", int(parts[0]), float(parts[1])))
+    drafters = {p: hybrid(model, p[1], p[2]) for p in policies if p[0] == "hybrid"}
+    totals = {p: [0.0, 0, 0, 0, 0, 0] for p in policies}  # seconds, tokens, drafted, accepted, rounds, identical
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            reference = None
+            for p in policies:
+                method, g, t = p
+                options = dict(method=method, max_new_tokens=args.n)
+                if method == "hybrid":
+                    options = dict(drafter=drafters[p], max_new_tokens=args.n)
+                elif method != "ar":
+                    options.update(draft_len=g, threshold=t)
+                out = model.generate(prompt, **options)
+                s = out.stats
+                if reference is None:
+                    reference = out.tokens
+                row = totals[p]
+                row[0] += s.wall_s - s.prefill_s
+                row[1] += s.new_tokens
+                row[2] += s.drafted
+                row[3] += s.accepted
+                row[4] += s.rounds
+                row[5] += out.tokens == reference
+    ar_rate = totals[policies[0]][1] / totals[policies[0]][0]
+    print(f"SmolLM2 bfloat16 (exact), {len(prompts)} calibration prompts × {args.n} tokens × {args.repeats}, "
+          f"decode tok/s (prefill excluded), 2 threads")
+    print("| policy | tok/s | × AR | α | tokens/round | identical |")
+    print("|---|---|---|---|---|---|")
+    for p, (sec, tok, drafted, acc, rounds, same) in totals.items():
+        name = {"ar": "ar", "feature": f"feature γ≤{p[1]} threshold {p[2]}",
+                "hybrid": f"lookup γ≤{p[1]} (suffix ≥ {p[2]}), else feature γ=1"}[p[0]]
+        alpha = f"{acc / drafted:.3f}" if drafted else "–"
+        print(f"| {name} | {tok / sec:.2f} | {tok / sec / ar_rate:.3f} | {alpha} | {tok / max(rounds, 1):.3f} | "
+              f"{same}/{len(prompts) * args.repeats} |")
+
+
+if __name__ == "__main__":
+    main()
