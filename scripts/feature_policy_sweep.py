@@ -2,6 +2,8 @@
 trained on): draft length γ and the confidence threshold that stops a draft after a token the head
 is unsure of. Interleaves AR and each policy per prompt, so drift in this machine's speed hits all
 alike; prints tokens/s, × AR, α, tokens per round and rounds, and checks every output equals AR's.
+Policies "hybrid:γ:n[:N]" are prompt lookup from a suffix match of n..N tokens (N default 3), else
+the feature head's one token, with no payoff gates.
 
     .venv/bin/python scripts/feature_policy_sweep.py [-n 64] [--repeats 2]
 """
@@ -17,13 +19,23 @@ import selfspec
 from selfspec.bench import load_prompts
 
 
-def hybrid(model, draft_len: int, min_ngram: int):
+def hybrid(model, draft_len: int, min_ngram: int, ngram: int = 3):
     from selfspec.drafters import DRAFTERS
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.lookup import PromptLookup
 
     feature = DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=1)
-    return Hybrid(PromptLookup(draft_len=draft_len, ngram=max(3, min_ngram), min_ngram=min_ngram), feature, gate=False)
+    lookup = PromptLookup(draft_len=draft_len, ngram=max(ngram, min_ngram), min_ngram=min_ngram)
+    return Hybrid(lookup, feature, gate=False)
+
+
+def label(p: tuple) -> str:
+    if p[0] == "ar":
+        return "ar"
+    if p[0] == "feature":
+        return f"feature γ≤{p[1]} threshold {p[2]}"
+    longest = p[3] if len(p) > 3 else 3
+    return f"lookup γ≤{p[1]} (suffix {p[2]}..{max(p[2], longest)}), else feature γ=1"
 
 
 def main() -> None:
@@ -41,15 +53,17 @@ def main() -> None:
     policies = [("ar", None, None)]
     for p in args.policies.split(","):
         parts = p.split(":")
-        policies.append(("hybrid", int(parts[1]), int(parts[2])) if parts[0] == "hybrid"
-                        else ("feature", int(parts[0]), float(parts[1])))
-    drafters = {p: hybrid(model, p[1], p[2]) for p in policies if p[0] == "hybrid"}
+        if parts[0] == "hybrid":  # hybrid:γ:min n-gram[:longest n-gram]
+            policies.append(("hybrid", int(parts[1]), int(parts[2]), *(int(x) for x in parts[3:])))
+        else:
+            policies.append(("feature", int(parts[0]), float(parts[1])))
+    drafters = {p: hybrid(model, *p[1:]) for p in policies if p[0] == "hybrid"}
     totals = {p: [0.0, 0, 0, 0, 0, 0] for p in policies}  # seconds, tokens, drafted, accepted, rounds, identical
     for _ in range(args.repeats):
         for prompt in prompts:
             reference = None
             for p in policies:
-                method, g, t = p
+                method, g, t = p[:3]
                 options = dict(method=method, max_new_tokens=args.n)
                 if method == "hybrid":
                     options = dict(drafter=drafters[p], max_new_tokens=args.n)
@@ -72,8 +86,7 @@ def main() -> None:
     print("| policy | tok/s | × AR | α | tokens/round | identical |")
     print("|---|---|---|---|---|---|")
     for p, (sec, tok, drafted, acc, rounds, same) in totals.items():
-        name = {"ar": "ar", "feature": f"feature γ≤{p[1]} threshold {p[2]}",
-                "hybrid": f"lookup γ≤{p[1]} (suffix ≥ {p[2]}), else feature γ=1"}[p[0]]
+        name = label(p)
         alpha = f"{acc / drafted:.3f}" if drafted else "–"
         print(f"| {name} | {tok / sec:.2f} | {tok / sec / ar_rate:.3f} | {alpha} | {tok / max(rounds, 1):.3f} | "
               f"{same}/{len(prompts) * args.repeats} |")
