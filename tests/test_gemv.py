@@ -96,3 +96,27 @@ def test_a_failed_build_falls_back_to_pytorch_with_a_note(tmp_path, monkeypatch,
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # nothing half-built left behind
     monkeypatch.setenv("SELFSPEC_GEMV", "0")
     assert gemv._build() is None
+
+
+def test_weight_prefetch_changes_no_result(monkeypatch):
+    """The build's weight prefetch (on Intel CPUs, $SELFSPEC_PREFETCH elsewhere) moves no bit: the
+    same products with it off and far ahead, every row count and both weight dtypes, and the
+    variable picks what the build compiles in."""
+    if "avx512_bf16" not in gemv._cpu_flags():
+        pytest.skip("the prefetch is in the AVX512-BF16 pair products, which this CPU does not run")
+    monkeypatch.setenv("SELFSPEC_PREFETCH", "0")
+    assert gemv._prefetch() == 0
+    torch.manual_seed(0)
+    w = torch.randn(200, 320).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (200, 320), dtype=torch.int8)
+    scale = torch.rand(200).to(torch.bfloat16)
+    x = torch.randn(16, 320).to(torch.bfloat16)
+    results = []
+    for ahead in ("0", "64", "1024"):
+        monkeypatch.setenv("SELFSPEC_PREFETCH", ahead)
+        assert gemv._prefetch() == int(ahead)
+        monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
+        results.append([gemv.linear(x[:n], w) for n in (1, 3, 16)] + [gemv.linear(x[:4], q, scale=scale)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
