@@ -11,7 +11,6 @@ the feature head's one token, with no payoff gates.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 

@@ -53,7 +53,8 @@ class FeatureSequence:
 @torch.inference_mode()
 def feature_data(model, prompts: list[torch.Tensor], max_new_tokens: int, progress: bool = True,
                  samples: int = 0, temperature: float = 0.8, seed: int = 0) -> list[FeatureSequence]:
-    """Decode each prompt greedily with the engine (plain decoding), and `samples` more times at
+    """Decode each prompt greedily with the engine (`auto`: the fastest lossless method tuned or
+    shipped for this model, so the same tokens as plain decoding), and `samples` more times at
     `temperature` (more training text: the teacher is still the model's own distribution at every
     position); then read final states and the teacher off one forward over prompt + output.
 
@@ -73,7 +74,7 @@ def feature_data(model, prompts: list[torch.Tensor], max_new_tokens: int, progre
             if room < 2:
                 continue
             sampling = {} if copy_ == 0 else dict(temperature=temperature, seed=seed + copy_ * len(prompts) + index)
-            tokens = model.generate(ids.tolist(), method="ar", max_new_tokens=min(max_new_tokens, room - 1),
+            tokens = model.generate(ids.tolist(), method="auto", max_new_tokens=min(max_new_tokens, room - 1),
                                     **sampling).tokens
             seq = torch.cat([ids, torch.tensor(tokens, dtype=torch.long)])
             cache = adapter.new_cache(seq.numel())
