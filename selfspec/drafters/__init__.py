@@ -77,14 +77,15 @@ def _hybrid(**o) -> Drafter:
     exit. With the feature head it drafts one token (γ applies to lookup), lookup drafts only from
     a suffix match of FEATURE_MIN_NGRAM or more tokens (a one-token match is right less often than
     the head), and no payoff gate runs: both drafts cost a few hundredths of a step, and the gates'
-    noisy per-round rates switched rounds that paid to plain steps (0.99x AR with them, 1.36x
-    without, on tune's prompts; README "The feature head")."""
+    noisy per-round rates switched rounds that paid to plain steps (0.99x AR with them on the
+    bench prompts; without them 1.18-1.20x there and 1.37-1.39x on tune's prompts; README "The
+    feature head")."""
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.lookup import PromptLookup
 
     if o.get("skip") or (o.get("profile") or {}).get("layer-skip"):
         return Hybrid(PromptLookup(**_given(o, "draft_len", "ngram")), _layer_skip(**o))
-    if o.get("asked_exit_layer") is None and _has_feature_head(o):
+    if o.get("asked_exit_layer") is None and has_feature_head(o):
         ngram = 3 if o.get("ngram") is None else o["ngram"]
         lookup = PromptLookup(**_given(o, "draft_len"), ngram=ngram, min_ngram=min(FEATURE_MIN_NGRAM, ngram))
         return Hybrid(lookup, _feature(**{**o, "draft_len": 1}), gate=False)
@@ -94,7 +95,7 @@ def _hybrid(**o) -> Drafter:
 FEATURE_MIN_NGRAM = 2  # hybrid with the feature head: lookup's shortest suffix match
 
 
-def _has_feature_head(o: dict) -> bool:
+def has_feature_head(o: dict) -> bool:
     """Whether the model (options profile and identity) has a feature head: its profile's or a shipped one."""
     from selfspec.feature_head import SECTION, shipped_path
 
