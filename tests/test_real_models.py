@@ -181,7 +181,7 @@ def test_quantized_smollm2_is_lossless_against_its_own_ar(dtype):
     ar = model.generate(ids, method="ar", max_new_tokens=24)
     assert len(ar.tokens) > 5 and ar.text.strip()
     for options in (dict(exit_layer=22, draft_len=3), dict(method="lookup", draft_len=3),
-                    dict(method="feature", draft_len=3)):
+                    dict(method="feature", draft_len=3), dict(method="auto")):  # auto: the shipped hybrid
         assert model.generate(ids, max_new_tokens=24, **options).tokens == ar.tokens, options
 
 
