@@ -235,7 +235,7 @@ def _methods(args, model) -> list[Method]:
     first γ asked (or its own default) and its profile when the model has one. `auto` is what
     `selfspec tune` chose; early exit without -k/-g takes k and γ from the tune when it chose early
     exit."""
-    from selfspec.drafters import FEATURE_MIN_NGRAM, METHODS, has_feature_head
+    from selfspec.drafters import FEATURE_MIN_NGRAM, METHODS, hybrid_fallback
     from selfspec.moe import experts_per_token
     from selfspec.profiles import load_profile
     from selfspec.tuner import SECTION as TUNE
@@ -275,12 +275,12 @@ def _methods(args, model) -> list[Method]:
             out += [Method(f"expert-subset {e}/{top_k} experts γ={draft_lens[0] or 4}", name, None, draft_lens[0],
                            experts=e) for e in getattr(args, "experts", None) or [1]]
         elif name == "hybrid":
-            # Without -k the model's feature head is the fallback where it has one (drafters._hybrid).
-            feature = not args.exit_layer and has_feature_head(dict(profile=profile, identity=model.identity))
-            k = None if feature else exit_layers[0]
-            fallback = ("layer-skip" if "layer-skip" in profile else
-                        f"feature γ=1, lookup suffix ≥ {FEATURE_MIN_NGRAM}, no gates" if feature else f"early-exit k={k}")
-            out.append(Method(f"hybrid (lookup, else {fallback})", name, k, draft_lens[0]))
+            asked = args.exit_layer[0] if args.exit_layer else None
+            fallback = hybrid_fallback(dict(profile=profile, identity=model.identity, asked_exit_layer=asked))
+            k = None if fallback == "feature" else exit_layers[0]
+            what = {"layer-skip": "layer-skip", "early-exit": f"early-exit k={k}",
+                    "feature": f"feature γ=1, lookup suffix ≥ {FEATURE_MIN_NGRAM}, no gates"}[fallback]
+            out.append(Method(f"hybrid (lookup, else {what})", name, k, draft_lens[0]))
         else:
             label = name if draft_lens[0] is None else f"{name} γ≤{draft_lens[0]}"
             if name == "layer-skip":

@@ -25,6 +25,7 @@ import torch
 
 from selfspec import gemv
 from selfspec.fused_layer import Dims, Weights
+from selfspec.step import norm_eps
 
 ROWS = gemv.MAX_ROWS
 DTYPES = {torch.bfloat16: 0, torch.float32: 2}
@@ -52,7 +53,7 @@ def unsupported_reason(head, adapter, pruned) -> str | None:
     if dtype not in DTYPES:
         return f"{dtype} activations"
     b = head.block
-    tensors = [p for p in head.parameters()] + ([] if pruned is None else [pruned.weight, adapter.norm.weight])
+    tensors = list(head.parameters()) + ([] if pruned is None else [pruned.weight, adapter.norm.weight])
     if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
         return "weights in another dtype, device or layout than the activations"
     if pruned is not None and pruned.bias is not None and (pruned.bias.dtype != dtype or not pruned.bias.is_contiguous()):
@@ -73,7 +74,7 @@ class FusedFeature:
         self._call = gemv._STATE["lib"].selfspec_feature
         self.head, self.adapter, self.dtype = head, adapter, DTYPES[adapter.dtype]
         norm = adapter.norm
-        final_eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-6
+        final_eps = norm_eps(norm, 1e-6)
         block = Dims(head.hidden_size, b.heads, b.heads, b.head_dim, b.width, b.attn_norm.eps or 1e-6,
                      1.0 / math.sqrt(b.head_dim), 0, 0, 0, 0)
         self.vocab = 0 if pruned is None else len(pruned)

@@ -54,19 +54,22 @@ def _prefetch() -> int:
     Results are bit-identical either way (prefetches change no arithmetic)."""
     value = os.environ.get("SELFSPEC_PREFETCH", "").strip()
     if value:
-        return max(0, int(value))
+        if not value.isdigit():
+            raise ValueError(f"SELFSPEC_PREFETCH must be a whole number of weight elements (0: none), got {value!r}")
+        return int(value)
+    return PREFETCH if "GenuineIntel" in _cpuinfo("vendor_id") else 0
+
+
+def _cpuinfo(field: str) -> list[str]:
+    """The words of /proc/cpuinfo's first `field` line (empty where there is none)."""
     try:
-        intel = any(line.startswith("vendor_id") and "GenuineIntel" in line for line in open("/proc/cpuinfo"))
+        return next((line.split(":", 1)[-1] for line in open("/proc/cpuinfo") if line.startswith(field)), "").split()
     except OSError:
-        intel = False
-    return PREFETCH if intel else 0
+        return []
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        return set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
+    return set(_cpuinfo("flags"))
 
 
 def _build() -> ctypes.CDLL | None:

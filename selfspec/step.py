@@ -203,6 +203,11 @@ def _qk_norms(attn) -> tuple[torch.Tensor, ...]:
 
 # -- the layer function: pure tensors in, tensors out (and the cache written in place) ---------
 
+def norm_eps(norm, default: float) -> float:
+    """An RMS norm module's epsilon (HF's `variance_epsilon`, or torch's and Gemma's `eps`), else default."""
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or default
+
+
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, sandwich: bool) -> torch.Tensor:
     """Llama RMSNorm (statistics in float32, weight applied in the input dtype), or Gemma's
     (1 + w) norm computed in float32 throughout; both as the HF modules compute them."""
@@ -345,7 +350,7 @@ class LeanStep:
         config = adapter.config
         sandwich = adapter.layout == "sandwich"
         norm0 = adapter.layers[0].input_layernorm
-        eps = getattr(norm0, "variance_epsilon", None) or getattr(norm0, "eps", None) or config.rms_norm_eps
+        eps = norm_eps(norm0, config.rms_norm_eps)
         self.shape = Shape(
             n_heads=adapter.n_heads, n_kv_heads=adapter.n_kv_heads, head_dim=adapter.head_dim,
             scale=float(adapter.scale), sandwich=sandwich, qk_norm=hasattr(adapter.layers[0].self_attn, "q_norm"),

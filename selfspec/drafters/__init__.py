@@ -83,16 +83,25 @@ def _hybrid(**o) -> Drafter:
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.lookup import PromptLookup
 
-    if o.get("skip") or (o.get("profile") or {}).get("layer-skip"):
-        return Hybrid(PromptLookup(**_given(o, "draft_len", "ngram")), _layer_skip(**o))
-    if o.get("asked_exit_layer") is None and has_feature_head(o):
-        ngram = 3 if o.get("ngram") is None else o["ngram"]
-        lookup = PromptLookup(**_given(o, "draft_len"), ngram=ngram, min_ngram=min(FEATURE_MIN_NGRAM, ngram))
+    lookup = PromptLookup(**_given(o, "draft_len", "ngram"))
+    fallback = hybrid_fallback(o)
+    if fallback == "feature":
+        lookup.min_ngram = min(FEATURE_MIN_NGRAM, lookup.ngram)
         return Hybrid(lookup, _feature(**{**o, "draft_len": 1}), gate=False)
-    return Hybrid(PromptLookup(**_given(o, "draft_len", "ngram")), _early_exit(**o))
+    return Hybrid(lookup, _layer_skip(**o) if fallback == "layer-skip" else _early_exit(**o))
 
 
 FEATURE_MIN_NGRAM = 2  # hybrid with the feature head: lookup's shortest suffix match
+
+
+def hybrid_fallback(o: dict) -> str:
+    """Which model draft `hybrid` falls back to with these options: "layer-skip" (a skip set given
+    or tuned), "feature" (the model has a feature head and no k was asked) or "early-exit"."""
+    if o.get("skip") or (o.get("profile") or {}).get("layer-skip"):
+        return "layer-skip"
+    if o.get("asked_exit_layer") is None and has_feature_head(o):
+        return "feature"
+    return "early-exit"
 
 
 def has_feature_head(o: dict) -> bool:
