@@ -72,6 +72,19 @@ def _cpu_flags() -> set[str]:
     return set(_cpuinfo("flags"))
 
 
+def kernel_path() -> str:
+    """The products' instruction path on this machine: "amx" (AMX tiles, bfloat16 and int8
+    weights), "pairs" (AVX512-BF16 pair dot products) or "avx2"; $SELFSPEC_GEMV=pairs or avx2
+    asks for a lesser one. float32 weights take AVX2 FMAs on every path. Each path rounds its own
+    way, the same for every row count and thread count."""
+    flags, asked = _cpu_flags(), os.environ.get("SELFSPEC_GEMV", "")
+    if "avx512_bf16" not in flags or asked == "avx2":
+        return "avx2"
+    if not {"amx_bf16", "amx_tile"} <= flags or asked == "pairs":
+        return "pairs"
+    return "amx"
+
+
 def _build() -> ctypes.CDLL | None:
     """The compiled library, built on first use; None (and why, once, on stderr) when it cannot be."""
     if os.environ.get("SELFSPEC_GEMV", "1") == "0":
@@ -81,10 +94,13 @@ def _build() -> ctypes.CDLL | None:
     from selfspec.loading import cache_root
 
     # Where the CPU has AVX512-BF16, bfloat16 weights go through its pair dot products (fewer
-    # instructions per weight, so several rows cost little more than one); else AVX2 throughout.
-    # SELFSPEC_GEMV=avx2 keeps AVX2 throughout (the tests check both paths on one machine).
-    pairs = "avx512_bf16" in _cpu_flags() and os.environ.get("SELFSPEC_GEMV") != "avx2"
-    flags = FLAGS + (["-mavx512f", "-mavx512bf16", f"-DPREFETCH={_prefetch()}"] if pairs else [])
+    # instructions per weight, so several rows cost little more than one); where it also has AMX,
+    # through tile dot products (16 rows cost what one does); else AVX2 throughout.
+    # SELFSPEC_GEMV=avx2 keeps AVX2 throughout and SELFSPEC_GEMV=pairs leaves AMX out (the tests
+    # check every path the machine has).
+    path = kernel_path()
+    flags = FLAGS + (["-mavx512f", "-mavx512bf16", f"-DPREFETCH={_prefetch()}"] if path in ("pairs", "amx") else [])
+    flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []
     sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
     text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])
     digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]

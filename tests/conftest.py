@@ -60,13 +60,14 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=["auto", "avx2"])
+@pytest.fixture(params=["auto", "pairs", "avx2"])
 def path(request, monkeypatch):
-    """The kernel library (selfspec.gemv) this CPU picks, and its AVX2 build: the same where the CPU
-    has no AVX512-BF16, so both of the kernels' code paths are tested on one machine."""
-    if request.param == "avx2":
+    """The kernel library (selfspec.gemv) this CPU picks, its build without AMX and its AVX2 build
+    (the same as "auto" where the CPU lacks AMX or AVX512-BF16), so every code path of the kernels
+    this CPU can run is tested on it."""
+    if request.param != "auto":
         from selfspec import gemv
 
-        monkeypatch.setenv("SELFSPEC_GEMV", "avx2")
+        monkeypatch.setenv("SELFSPEC_GEMV", request.param)
         monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
     return request.param
