@@ -15,6 +15,7 @@ import argparse
 import torch
 
 import selfspec
+from selfspec import gemv
 from selfspec.bench import load_prompts
 
 
@@ -45,9 +46,11 @@ def main() -> None:
                         help="γ:threshold pairs of the feature draft, or hybrid:γ:n (prompt lookup of up to γ "
                              "tokens where a suffix of at least n tokens matches, else the feature draft γ = 1, "
                              "no payoff gates), comma-separated")
+    parser.add_argument("--no-exact", action="store_true",
+                        help="the default lean step, not exact mode's 4-row bucket (which allows γ <= 3 only)")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    model = selfspec.load("smollm2", dtype="bfloat16")
+    model = selfspec.load("smollm2", dtype="bfloat16", exact=not args.no_exact)
     prompts = [p.text for p in load_prompts(None, 2, default="calibration.jsonl")]
     policies = [("ar", None, None)]
     for p in args.policies.split(","):
@@ -80,7 +83,8 @@ def main() -> None:
                 row[4] += s.rounds
                 row[5] += out.tokens == reference
     ar_rate = totals[policies[0]][1] / totals[policies[0]][0]
-    print(f"SmolLM2 bfloat16 (exact), {len(prompts)} calibration prompts × {args.n} tokens × {args.repeats}, "
+    mode = "eager, not exact" if args.no_exact else "exact"
+    print(f"SmolLM2 bfloat16 ({mode}), kernel path {gemv.kernel_path()}, {len(prompts)} calibration prompts × {args.n} tokens × {args.repeats}, "
           f"decode tok/s (prefill excluded), 2 threads")
     print("| policy | tok/s | × AR | α | tokens/round | identical |")
     print("|---|---|---|---|---|---|")
