@@ -2,8 +2,9 @@
 trained on): draft length γ and the confidence threshold that stops a draft after a token the head
 is unsure of. Interleaves AR and each policy per prompt, so drift in this machine's speed hits all
 alike; prints tokens/s, × AR, α, tokens per round and rounds, and checks every output equals AR's.
-Policies "hybrid:γ:n[:N]" are prompt lookup from a suffix match of n..N tokens (N default 3), else
-the feature head's one token, with no payoff gates.
+Policies "hybrid:γ:n[:N[:m]]" are prompt lookup from a suffix match of n..N tokens (N default 3), else
+the feature head's one token (its m likeliest as siblings, one verify: m default 1, a chain), with
+no payoff gates; "sib:m" is the feature head's m likeliest first tokens as siblings alone.
 
     .venv/bin/python scripts/feature_policy_sweep.py [-n 64] [--repeats 2]
 """
@@ -19,12 +20,12 @@ from selfspec import gemv
 from selfspec.bench import load_prompts
 
 
-def hybrid(model, draft_len: int, min_ngram: int, ngram: int = 3):
+def hybrid(model, draft_len: int, min_ngram: int, ngram: int = 3, siblings: int = 1):
     from selfspec.drafters import DRAFTERS
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.lookup import PromptLookup
 
-    feature = DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=1)
+    feature = DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=1, siblings=siblings)
     lookup = PromptLookup(draft_len=draft_len, ngram=max(ngram, min_ngram), min_ngram=min_ngram)
     return Hybrid(lookup, feature, gate=False)
 
@@ -34,8 +35,11 @@ def label(p: tuple) -> str:
         return "ar"
     if p[0] == "feature":
         return f"feature γ≤{p[1]} threshold {p[2]}"
+    if p[0] == "sib":
+        return f"feature, {p[1]} siblings"
     longest = p[3] if len(p) > 3 else 3
-    return f"lookup γ≤{p[1]} (suffix {p[2]}..{max(p[2], longest)}), else feature γ=1"
+    first = f"feature's {p[4]} siblings" if len(p) > 4 and p[4] > 1 else "feature γ=1"
+    return f"lookup γ≤{p[1]} (suffix {p[2]}..{max(p[2], longest)}), else {first}"
 
 
 def main() -> None:
@@ -55,11 +59,17 @@ def main() -> None:
     policies = [("ar", None, None)]
     for p in args.policies.split(","):
         parts = p.split(":")
-        if parts[0] == "hybrid":  # hybrid:γ:min n-gram[:longest n-gram]
+        if parts[0] == "hybrid":  # hybrid:γ:min n-gram[:longest n-gram[:siblings]]
             policies.append(("hybrid", int(parts[1]), int(parts[2]), *(int(x) for x in parts[3:])))
+        elif parts[0] == "sib":
+            policies.append(("sib", int(parts[1]), None))
         else:
             policies.append(("feature", int(parts[0]), float(parts[1])))
+    from selfspec.drafters import DRAFTERS
+
     drafters = {p: hybrid(model, *p[1:]) for p in policies if p[0] == "hybrid"}
+    drafters.update({p: DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=1, siblings=p[1])
+                     for p in policies if p[0] == "sib"})
     totals = {p: [0.0, 0, 0, 0, 0, 0] for p in policies}  # seconds, tokens, drafted, accepted, rounds, identical
     for _ in range(args.repeats):
         for prompt in prompts:
@@ -67,7 +77,7 @@ def main() -> None:
             for p in policies:
                 method, g, t = p[:3]
                 options = dict(method=method, max_new_tokens=args.n)
-                if method == "hybrid":
+                if method in ("hybrid", "sib"):
                     options = dict(drafter=drafters[p], max_new_tokens=args.n)
                 elif method != "ar":
                     options.update(draft_len=g, threshold=t)

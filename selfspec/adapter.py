@@ -138,6 +138,13 @@ class ModelAdapter:
             torch._dynamo.mark_static_address(cache.values)
         return cache
 
+    def runs_siblings(self, rows: int) -> bool:
+        """Whether a forward of `rows` rows can take sibling rows (run_layers' siblings=True): the
+        fused layer runs it (eager lean step, the kernel built, at most its ROWS rows)."""
+        from selfspec import fused_layer
+
+        return self.step is not None and self.step.fused is not None and rows <= fused_layer.ROWS
+
     # -- the three entry points -------------------------------------------------------------
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -156,6 +163,7 @@ class ModelAdapter:
         write: bool = True,
         record: dict | None = None,
         experts: int | None = None,
+        siblings: bool = False,
     ) -> torch.Tensor:
         """Run `layers` (indices, in order) on h [1, n, hidden] at positions start .. start+n-1.
 
@@ -170,6 +178,9 @@ class ModelAdapter:
         ("attn", i) and ("mlp", i).
         experts: route each MoE layer's tokens to only this many experts (a draft; see selfspec.moe);
         None runs the model's own routing.
+        siblings=True: rows 1.. are alternative tokens for position start+1, in slots start+1 ..
+        start+n-1, each attending to positions <= start and itself (a sibling verify; only where
+        `runs_siblings`).
 
         rowwise=True (the verify) keeps every row's result as close as it can be to running its
         token alone, as autoregressive decoding does: attention runs one query row at a time,
@@ -181,7 +192,9 @@ class ModelAdapter:
         """
         n = h.shape[1]
         if self.step is not None and write and record is None and experts is None and h.shape[0] == 1:
-            return self.step.run(h, layers, start, cache, skip)
+            return self.step.run(h, layers, start, cache, skip, siblings)
+        if siblings:
+            raise ValueError("sibling rows run only in the fused layer (ModelAdapter.runs_siblings)")
         if h.shape[0] > 1 and (write or n > 1):
             raise ValueError("a batch of candidate states is only supported as a one-position probe (write=False)")
         masks: dict[int | None, torch.Tensor | None] = {}

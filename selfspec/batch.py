@@ -198,7 +198,7 @@ class Scheduler:
                 self.active.append((request, seq))
 
     def _prefill(self, request: Request) -> Decoding:
-        seq = Decoding(self.adapter, request.prompt_ids, request.drafter, sampling=request.sampling,
+        seq = Decoding(self.adapter, request.prompt_ids, request.drafter, sampling=request.sampling, siblings=False,
                        max_new_tokens=request.max_new_tokens, eos_ids=request.eos_ids, stats=request.stats,
                        max_draft=min(request.drafter.draft_len, self.max_draft), headroom=self.max_draft)
         self._emit(request, seq, seq.prefill(measure_step=False))

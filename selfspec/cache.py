@@ -65,6 +65,14 @@ class KVCache:
         """Keys and values of positions start .. end-1 of one layer, without a copy."""
         return self.keys[layer, :, :, start:end], self.values[layer, :, :, start:end]
 
+    def move(self, source: int, target: int) -> None:
+        """Copy slot `source`'s keys and values (every layer) and exit state to slot `target`: a
+        sibling verify wrote its accepted alternative past the position it belongs at."""
+        self.keys[:, :, :, target] = self.keys[:, :, :, source]
+        self.values[:, :, :, target] = self.values[:, :, :, source]
+        if self.exit_states is not None:
+            self.exit_states[target] = self.exit_states[source]
+
     def rewind(self, length: int) -> None:
         """Keep positions < length; everything after is free to overwrite."""
         if not 0 <= length <= self.capacity:

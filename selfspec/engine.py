@@ -21,7 +21,7 @@ from selfspec.cache import KVCache
 from selfspec.drafters.base import Draft, DraftContext, Drafter
 from selfspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from selfspec.stats import GenerationStats
-from selfspec.verifier import Verdict, verify_greedy, verify_sampling
+from selfspec.verifier import Verdict, verify_greedy, verify_sampling, verify_siblings
 
 
 def check_length(adapter: ModelAdapter, prompt_len: int, max_new_tokens: int) -> None:
@@ -84,10 +84,12 @@ class Decoding:
         stats: GenerationStats,
         max_draft: int | None = None,
         headroom: int = 0,
+        siblings: bool = True,
     ):
         """max_draft: cap on draft tokens per round (default the drafter's γ); headroom: cache
         positions to keep past the last committed one for a batched verify, which pads every row
-        to the longest draft in the batch."""
+        to the longest draft in the batch; siblings: whether drafts may be siblings (Draft.siblings:
+        only where this sequence verifies alone, in the fused layer)."""
         self.adapter, self.drafter, self.sampling, self.stats = adapter, drafter, sampling, stats
         self.prompt_ids = prompt_ids.to(adapter.device).view(-1)
         check_length(adapter, self.prompt_ids.numel(), max_new_tokens)
@@ -101,7 +103,7 @@ class Decoding:
         stats.prompt_tokens = self.prompt_ids.numel()
         self.generator = make_generator(sampling.seed, adapter.device)
         self.ctx = DraftContext(adapter, self.cache, sampling, self.generator, self.prompt_ids,
-                                self.prompt_ids.tolist(), stats)
+                                self.prompt_ids.tolist(), stats, siblings=siblings)
         self.sync = _syncer(adapter.device)
         self.produced = 0
         self.done = False
@@ -135,9 +137,22 @@ class Decoding:
         t, searched = time.perf_counter(), self.stats.search_s
         room = min(self.max_new_tokens - self.produced - 1, self.max_draft)
         draft = self.drafter.propose(self.pending, self.start, room)
+        if draft.siblings:
+            draft = self._fit_siblings(draft, room)
         self.sync()
         self.stats.draft_s += time.perf_counter() - t - (self.stats.search_s - searched)
         return draft
+
+    def _fit_siblings(self, draft: Draft, room: int) -> Draft:
+        """A sibling draft as this sequence can verify it: alternatives in the slots short of the
+        cache's scratch slot, and only where siblings run (else its first alternative as a
+        one-token chain, which the chain verify checks as it checks any draft)."""
+        if room < 1:
+            return Draft(tokens=draft.tokens[:0])
+        fits = min(len(draft), self.cache.capacity - 2 - self.start)
+        if not self.ctx.siblings or fits < 2 or not self.adapter.runs_siblings(fits + 1):
+            return Draft(tokens=draft.tokens[:1])
+        return Draft(tokens=draft.tokens[:fits], siblings=True)
 
     def finish_round(self, draft: Draft, target_logits: torch.Tensor, verify_s: float = 0.0) -> list[int]:
         """3. The pure verifier on the verify forward's logits [γ+1, vocab]; 4. commit or rewind:
@@ -146,8 +161,10 @@ class Decoding:
         t = time.perf_counter()
         verdict = _verify(draft, target_logits, self.sampling, self.generator)
         self.stats.verify_s += verify_s + time.perf_counter() - t
+        if verdict.sibling:  # the accepted alternative's KV and state sit in its own slot
+            self.cache.move(self.start + 1 + verdict.sibling, self.start + 1)
         self.cache.rewind(self.start + 1 + verdict.n_accepted)
-        self.stats.record_round(len(draft), verdict.n_accepted)
+        self.stats.record_round(1 if draft.siblings else len(draft), verdict.n_accepted)
         self.drafter.observe(verdict.n_accepted)
         return self._commit(verdict.tokens)
 
@@ -172,8 +189,12 @@ def verify_forward(
     adapter: ModelAdapter, cache: KVCache, pending: torch.Tensor, draft: Draft, start: int
 ) -> torch.Tensor:
     """Full-model logits [γ+1, vocab] for pending + draft tokens at positions start .. start+γ,
-    each row computed exactly as a one-token autoregressive step would (see run_layers)."""
+    each row computed exactly as a one-token autoregressive step would (see run_layers); for
+    sibling drafts, the pending token and each alternative at start+1 (Draft.siblings)."""
     gamma = len(draft)
+    if draft.siblings:  # pending, then the alternatives for position start+1, each in its own slot
+        h = adapter.embed(torch.cat([pending, draft.tokens]))
+        return adapter.head(adapter.run_layers(h, range(adapter.n_layers), start, cache, siblings=True))
     if draft.exit_hidden is None or gamma == 0:
         h = adapter.embed(torch.cat([pending, draft.tokens]))
         h = adapter.run_layers(h, range(adapter.n_layers), start, cache, rowwise=True)
@@ -254,6 +275,9 @@ def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Te
 
 
 def _verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, generator) -> Verdict:
+    if draft.siblings:
+        target = target_logits if sampling.greedy else logits_to_probs(target_logits, sampling)
+        return verify_siblings(draft.tokens, target, generator, greedy=sampling.greedy)
     if sampling.greedy:
         return verify_greedy(draft.tokens, target_logits)
     target_probs = logits_to_probs(target_logits, sampling)

@@ -95,8 +95,10 @@ class FusedLayers:
                                         lw.wd.data_ptr(), *scales, *[_ptr(t) for t in norms], _ptr(q_norm),
                                         _ptr(k_norm)))
 
-    def run(self, h: torch.Tensor, layers, start: int, cache, skip) -> torch.Tensor:
-        """h [1, n, hidden] (n <= ROWS) through `layers` at positions start .., as LeanStep.run."""
+    def run(self, h: torch.Tensor, layers, start: int, cache, skip, siblings: bool = False) -> torch.Tensor:
+        """h [1, n, hidden] (n <= ROWS) through `layers` at positions start .., as LeanStep.run.
+        siblings: rows 1.. are alternatives for position start+1, written to slots start+1 ..
+        start+n-1 and each attending to positions <= start and itself (kernels/layer.h)."""
         adapter = self.adapter
         x = h[0].clone(memory_format=torch.contiguous_format)  # [n, hidden], updated in place layer by layer
         n = x.shape[0]
@@ -112,7 +114,8 @@ class FusedLayers:
                 cos, sin = adapter._rope[spec.rope]
                 status = self._call(dims, ctypes.byref(self.structs[i]), self.dtype, x.data_ptr(), n, start,
                                     spec.window or 0, cos.data_ptr(), sin.data_ptr(), k0 + i * layer_bytes,
-                                    v0 + i * layer_bytes, cache.capacity, int(do_attn), int(do_mlp), threads)
+                                    v0 + i * layer_bytes, cache.capacity, int(do_attn), int(do_mlp), threads,
+                                    int(siblings))
                 if status:
                     raise ValueError(f"the fused layer refused {n} rows at position {start} (status {status})")
             if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache)

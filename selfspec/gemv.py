@@ -124,7 +124,7 @@ def _build() -> ctypes.CDLL | None:
     lib.selfspec_gemv_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
     lib.selfspec_gemv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32]
     lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = lib.selfspec_gemv_f32.restype = i32
-    lib.selfspec_layer.argtypes = [ptr, ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
+    lib.selfspec_layer.argtypes = [ptr, ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
     lib.selfspec_layer.restype = i32
     lib.selfspec_feature.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
     lib.selfspec_feature.restype = i32

@@ -377,7 +377,7 @@ class LeanStep:
             return self.exact_rows if n <= self.exact_rows else n
         return bucket(n) if self.compile and n <= DECODE_ROWS else n
 
-    def run(self, h: torch.Tensor, layers, start: int, cache, skip) -> torch.Tensor:
+    def run(self, h: torch.Tensor, layers, start: int, cache, skip, siblings: bool = False) -> torch.Tensor:
         """h [1, n, hidden] at positions start .. start+n-1 through `layers` (minus skipped
         sublayers), writing their KV into `cache` (see ModelAdapter.run_layers)."""
         layers = list(layers)
@@ -388,7 +388,9 @@ class LeanStep:
         if start + n > slot:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
         if self.fused is not None and n <= fused_layer.ROWS and not gemv.needs_grad(h):  # no padding there
-            return self.fused.run(h, layers, start, cache, skip)
+            return self.fused.run(h, layers, start, cache, skip, siblings)
+        if siblings:
+            raise ValueError("sibling rows run only in the fused layer (ModelAdapter.runs_siblings)")
         rows = self.rows(n)
         x = pad_rows(h[0], rows)
         pos = torch.arange(start, start + rows, device=x.device)

@@ -26,6 +26,7 @@ from selfspec.sampling import sample
 @dataclass(frozen=True)
 class Verdict:
     tokens: list[int]  # the accepted draft tokens, then the recovered or bonus token
+    sibling: int = 0  # a sibling verdict that accepted one: its index among the alternatives
 
     @property
     def n_accepted(self) -> int:
@@ -70,6 +71,37 @@ def verify_sampling(
     host = torch.cat([n_accepted.view(1), next_token.view(1), draft_tokens.long()]).tolist()
     n, nxt, draft = host[0], host[1], host[2:]
     return Verdict(tokens=draft[:n] + [nxt])
+
+
+def verify_siblings(
+    alternatives: Tensor,
+    target: Tensor,
+    generator: torch.Generator | None = None,
+    greedy: bool = True,
+) -> Verdict:
+    """A sibling draft (m alternative tokens for the one position after the pending token):
+    alternatives [m] long; target [m+1, V]: the target's logits (greedy) or probabilities
+    (sampling) after the pending token (row 0) and after each alternative (rows 1..m).
+
+    The round's first token y is the target's own at row 0: its argmax, or a draw from p_0. If y
+    is alternative i, its row holds the target after y, and the bonus token comes from row 1+i
+    (argmax, or a draw). So y is drawn from p_0 and the bonus from p given y, exactly as two
+    steps of plain decoding would; the alternatives decide only whether the bonus exists.
+    """
+    m = alternatives.shape[0]
+    _check_shapes(m, target, "target")
+    if greedy:
+        picks = target.argmax(-1)  # [m+1]
+    else:
+        first = sample(target[:1], generator)  # [1]
+        picks = None
+    y = int(picks[0] if greedy else first)
+    where = (alternatives.long() == y).nonzero().flatten().tolist()
+    if not where:
+        return Verdict(tokens=[y])
+    i = where[0]
+    bonus = int(picks[1 + i]) if greedy else int(sample(target[1 + i:2 + i], generator))
+    return Verdict(tokens=[y, bonus], sibling=i)
 
 
 def rejection_sample(

@@ -142,7 +142,7 @@ def _feature(**o) -> Drafter:
                              f"trained with), got {vocab}")
         draft_ids = draft_ids[:vocab]
     return FeatureDraft(head, 3 if o.get("draft_len") is None else o["draft_len"], draft_ids=draft_ids,
-                        threshold=o.get("threshold"))
+                        threshold=o.get("threshold"), siblings=o.get("siblings") or 1)
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {

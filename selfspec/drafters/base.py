@@ -31,6 +31,9 @@ class DraftContext:
     # This generation's statistics: drafters that spend time choosing layers add it to
     # stats.search_s (and count stats.searches), so it is not mistaken for draft time.
     stats: GenerationStats
+    # Whether a draft may be siblings (Draft.siblings): a lone sequence's verify in the fused layer
+    # (the batched verify, verify_rows, takes chains only).
+    siblings: bool = False
 
 
 @dataclass
@@ -42,6 +45,11 @@ class Draft:
     # [1, γ+1, hidden]: they ran for the last draft token too (Saguaro), and the verify skips them.
     exit_layer: int | None = None
     exit_hidden: torch.Tensor | None = None
+    # Siblings: tokens are alternatives for the one position after the pending token, not a chain;
+    # the verify runs each beside the pending token (ModelAdapter.run_layers' siblings) and the
+    # round commits at most one of them (verifier.verify_siblings). Only where the engine says
+    # DraftContext.siblings.
+    siblings: bool = False
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

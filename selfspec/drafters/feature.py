@@ -6,6 +6,11 @@ head from the previous final state (the model's for the first, the head's own pr
 that) and the previous token, through the model's norm and head (or the pruned draft head). The
 draft stops early after a token whose top-1 probability is below `threshold`. The verify runs the
 full model over the pending token and the draft, as for prompt lookup.
+
+siblings = m > 1: a one-token draft of the head's m likeliest tokens as alternatives (Draft.siblings),
+verified in one forward of m + 1 rows (each alternative beside the pending token, attending to the
+context and itself), of which the round keeps the one the model chose, if any. Where rows cost
+little more than one (AMX), that buys the head's top-m agreement for about a 1-token verify.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from selfspec.drafters.base import Draft, DraftContext
 from selfspec.drafters.shallow import confident, draft_token
 from selfspec.feature_head import FeatureHead, FeatureState
 from selfspec.fused_feature import FusedFeature, unsupported_reason
+from selfspec.fused_layer import ROWS
 
 DEFAULT_THRESHOLD = 0.3  # stop a draft after a token the head gives less than this
 
@@ -26,11 +32,13 @@ class FeatureDraft:
     exit_layer = None
 
     def __init__(self, head: FeatureHead, draft_len: int = 3, draft_ids: torch.Tensor | None = None,
-                 threshold: float | None = None):
+                 threshold: float | None = None, siblings: int = 1):
         """head: a trained feature head for this model; draft_len: γ, the most tokens per round;
         draft_ids: the token ids of the pruned draft head (the ones the head was trained with;
         None: the model's full head); threshold: stop after a token whose draft top-1 probability
-        is below it (default DEFAULT_THRESHOLD; 0 never stops early)."""
+        is below it (default DEFAULT_THRESHOLD; 0 never stops early); siblings: m > 1 drafts the
+        m likeliest first tokens as alternatives instead of a chain, where the engine runs them
+        (DraftContext.siblings and ModelAdapter.runs_siblings), else the chain."""
         if draft_len < 1:
             raise ValueError(f"draft length must be >= 1, got {draft_len}")
         if draft_ids is not None and not draft_ids.numel():
@@ -38,6 +46,9 @@ class FeatureDraft:
         threshold = DEFAULT_THRESHOLD if threshold is None else threshold
         if not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if not 1 <= siblings < ROWS:
+            raise ValueError(f"siblings must be 1 (a chain) .. {ROWS - 1}, got {siblings}")
+        self.siblings = siblings
         self.feature_head, self.draft_len, self.threshold = head, draft_len, threshold
         self.draft_ids = draft_ids
         self.head: PrunedHead | None = None  # built at the first begin, for that model's weights
@@ -64,6 +75,11 @@ class FeatureDraft:
             return Draft(tokens=pending.new_empty(0))
         token, tokens, probs = pending, [], []
         predicted = self.state.first(start, self.ctx.committed)
+        m = self.siblings  # the engine trims them to the cache (Decoding._fit_siblings)
+        if m > 1 and self.ctx.siblings and self.ctx.adapter.runs_siblings(m + 1):
+            _, _, logits = draft_token(self.ctx, predicted, self.ctx.generator, head=self.head, logits=self.state.logits)
+            top = logits[0].topk(min(m, logits.shape[-1])).indices
+            return Draft(tokens=top if self.head is None else self.head.ids[top], siblings=True)
         for i in range(gamma):
             if i:
                 predicted = self.state.step(predicted, token)

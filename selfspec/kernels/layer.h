@@ -142,11 +142,15 @@ static float softmax_weights(float* s, long len, float m) {
     return sum;
 }
 
-// One query row of one head against keys lo..p of its KV head; o [head_dim] in E. HD: the head
-// size when it is one of the common ones (q and the output accumulator then live in registers),
-// else 0 and hd at run time. The arithmetic per element is the same either way.
+// One query row of one head against keys lo..p of its KV head, the last of them read from slot
+// `own` (p for a row of a chain; a sibling's own slot, see `layer`), in that order; o [head_dim]
+// in E. HD: the head size when it is one of the common ones (q and the output accumulator then
+// live in registers), else 0 and hd at run time. The arithmetic per element is the same either way.
+static inline long key_slot(long lo, long j, long len, long own) { return j + 1 < len ? lo + j : own; }
+
 template <typename E, int HD>
-static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long hd_runtime, float scale, E* o) {
+static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long own, long hd_runtime, float scale,
+                   E* o) {
     const long hd = HD ? HD : hd_runtime;
     constexpr int V = HD ? HD / 8 : 64;  // 8-lane vectors per head row (64: room for head_dim 512)
     const long len = p - lo + 1;
@@ -155,7 +159,7 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long h
     for (long i = 0; i < hd / 8; i++) qv[i] = load8f(q + 8 * i), acc[i] = _mm256_setzero_ps();
     float m = -INFINITY;
     for (long j = 0; j < len; j++) {
-        const E* k = kc + (lo + j) * hd;
+        const E* k = kc + key_slot(lo, j, len, own) * hd;
         __m256 a = _mm256_setzero_ps();
         for (long i = 0; i < hd / 8; i++) a = _mm256_fmadd_ps(qv[i], load8f(k + 8 * i), a);
         s[j] = hsum(a) * scale;
@@ -163,7 +167,7 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long h
     }
     const float sum = softmax_weights(s, len, m);
     for (long j = 0; j < len; j++) {
-        const E* v = vc + (lo + j) * hd;
+        const E* v = vc + key_slot(lo, j, len, own) * hd;
         __m256 pj = _mm256_set1_ps(s[j]);
         for (long i = 0; i < hd / 8; i++) acc[i] = _mm256_fmadd_ps(pj, load8f(v + 8 * i), acc[i]);
     }
@@ -175,8 +179,8 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long h
 // bfloat16 with AVX512-BF16: q·k as pair dot products of the bfloat16 rows themselves (no
 // conversion), the weighted sum of v on 16 lanes. Its own fixed order per (row, head), as above.
 template <int HD>
-static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, float scale,
-                         uint16_t* o) {
+static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, long own,
+                         float scale, uint16_t* o) {
     static_assert(HD % 32 == 0, "head size");
     const long len = p - lo + 1;
     float* s = scores(len);
@@ -186,7 +190,7 @@ static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* 
     for (int i = 0; i < HD / 16; i++) acc[i] = _mm512_setzero_ps();
     float m = -INFINITY;
     for (long j = 0; j < len; j++) {
-        const uint16_t* k = kc + (lo + j) * HD;
+        const uint16_t* k = kc + key_slot(lo, j, len, own) * HD;
         __m512 a = _mm512_setzero_ps();
         for (int i = 0; i < HD / 32; i++) a = _mm512_dpbf16_ps(a, qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
         s[j] = hsum16(a) * scale;
@@ -194,7 +198,7 @@ static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* 
     }
     const float sum = softmax_weights(s, len, m);
     for (long j = 0; j < len; j++) {
-        const uint16_t* v = vc + (lo + j) * HD;
+        const uint16_t* v = vc + key_slot(lo, j, len, own) * HD;
         __m512 pj = _mm512_set1_ps(s[j]);
         for (int i = 0; i < HD / 16; i++) {
             __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + 16 * i))), 16));
@@ -210,21 +214,21 @@ static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* 
 #endif
 
 template <typename E>
-static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, long hd, float scale, E* o) {
+static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, long own, long hd, float scale, E* o) {
 #ifdef __AVX512BF16__
     if constexpr (std::is_same<E, uint16_t>::value) {
         switch (hd) {
-            case 64: return attend_pairs<64>(q, kc, vc, lo, p, scale, o);
-            case 128: return attend_pairs<128>(q, kc, vc, lo, p, scale, o);
-            case 256: return attend_pairs<256>(q, kc, vc, lo, p, scale, o);
+            case 64: return attend_pairs<64>(q, kc, vc, lo, p, own, scale, o);
+            case 128: return attend_pairs<128>(q, kc, vc, lo, p, own, scale, o);
+            case 256: return attend_pairs<256>(q, kc, vc, lo, p, own, scale, o);
         }
     }
 #endif
     switch (hd) {
-        case 64: return attend<E, 64>(q, kc, vc, lo, p, hd, scale, o);
-        case 128: return attend<E, 128>(q, kc, vc, lo, p, hd, scale, o);
-        case 256: return attend<E, 256>(q, kc, vc, lo, p, hd, scale, o);
-        default: return attend<E, 0>(q, kc, vc, lo, p, hd, scale, o);
+        case 64: return attend<E, 64>(q, kc, vc, lo, p, own, hd, scale, o);
+        case 128: return attend<E, 128>(q, kc, vc, lo, p, own, hd, scale, o);
+        case 256: return attend<E, 256>(q, kc, vc, lo, p, own, hd, scale, o);
+        default: return attend<E, 0>(q, kc, vc, lo, p, own, hd, scale, o);
     }
 }
 
@@ -248,9 +252,15 @@ static void activation(const E* gu, E* act, long I, int kind, bool gated) {
     }
 }
 
+// Rows at positions start .. start+n-1, each written to its position's slot and attending to
+// the positions before it and itself. siblings = 1: row 0 at position `start` as before, and rows
+// 1..n-1 alternatives for position start+1, each written to slot start+r and attending to
+// positions <= start and then its own slot: every row computes exactly what a one-row step of its
+// token at its position would (the same keys in the same order), and the caller keeps the slot
+// of the alternative it accepts.
 template <typename T, typename E>
 static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long window, const E* cos, const E* sin,
-                 E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads) {
+                 E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads, int siblings = 0) {
     const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
     const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
     if (n < 1 || n > MAX_ROWS || hd % 16 || hd > 512 || H % 8 || I % 8 || start + n > capacity) return 1;
@@ -268,7 +278,7 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
         for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_in, x + r * H, H, d.eps, gemma);
         linear<T, E>(w.wqkv, x, w.sqkv, w.bqkv, qkv, qkv_dim, H, n, threads, X.data());
         for (int r = 0; r < n; r++) {
-            long p = start + r;
+            long p = siblings && r ? start + 1 : start + r, slot = start + r;
             E* row = qkv + r * qkv_dim;
             for (long head = 0; head < nh + nkv; head++) {
                 E* v = row + head * hd;
@@ -276,17 +286,17 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
                 rotate(v, cos + p * hd, sin + p * hd, hd);
             }
             for (long g = 0; g < nkv; g++) {
-                memcpy(kc + (g * capacity + p) * hd, row + (nh + g) * hd, hd * sizeof(E));
-                memcpy(vc + (g * capacity + p) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
+                memcpy(kc + (g * capacity + slot) * hd, row + (nh + g) * hd, hd * sizeof(E));
+                memcpy(vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
             }
         }
         const long group = nh / nkv, tasks = n * nh;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (long t = 0; t < tasks; t++) {
-            long r = t / nh, head = t % nh, g = head / group, p = start + r;
+            long r = t / nh, head = t % nh, g = head / group, p = siblings && r ? start + 1 : start + r;
             long lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            attend_any(qkv + r * qkv_dim + head * hd, kc + g * capacity * hd, vc + g * capacity * hd, lo, p, hd, d.scale,
-                   o + r * qdim + head * hd);
+            attend_any(qkv + r * qkv_dim + head * hd, kc + g * capacity * hd, vc + g * capacity * hd, lo, p, start + r, hd,
+                       d.scale, o + r * qdim + head * hd);
         }
         linear<T, E>(w.wo, o, w.so, nullptr, a, H, qdim, n, threads, X.data());
         for (int r = 0; r < n; r++) {
