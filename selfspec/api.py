@@ -151,6 +151,7 @@ class SelfSpecModel:
         exit_adapter: str | bool | None = None,
         draft_vocab: int | None = None,
         experts: int | None = None,
+        siblings: int | None = None,
         drafter: Drafter | None = None,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
@@ -176,7 +177,10 @@ class SelfSpecModel:
         False or "none" uses none), draft_vocab (early exit drafts with a head pruned to the N most
         frequent tokens of the ranking `selfspec calibrate` saved; None: the full head; output is
         unchanged either way), experts (expert-subset's routed experts per token in each MoE layer of
-        the draft, default 1; its exit_layer defaults to the full depth). drafter: a drafter instance to use instead (its state carries
+        the draft, default 1; its exit_layer defaults to the full depth), siblings (the feature head's
+        m likeliest first tokens as alternatives verified in one forward, instead of a chain:
+        feature 1, i.e. none, by default; hybrid's fallback DEFAULT_SIBLINGS where the CPU has AMX,
+        else 1). drafter: a drafter instance to use instead (its state carries
         over between calls). fresh_drafter: a new drafter instance even if one with the same
         options exists (the server: each concurrent request needs its own).
         """
@@ -199,7 +203,7 @@ class SelfSpecModel:
             options = dict(exit_layer=exit_layer, draft_len=draft_len, threshold=threshold, skip=skip,
                            skip_ratio=skip_ratio, every=every, ngram=ngram, profile=profile,
                            exit_adapter=exit_adapter, draft_vocab=draft_vocab, experts=experts,
-                           asked_exit_layer=asked_exit_layer)
+                           siblings=siblings, asked_exit_layer=asked_exit_layer)
             key = (method, *options.items())
             options = {**options, "profile": saved, "identity": self.identity}
             if fresh_drafter:

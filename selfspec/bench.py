@@ -111,6 +111,7 @@ class Method:
     draft_vocab: int | None = None  # early exit's pruned draft head size (--draft-vocab); None: the full head
     experts: int | None = None  # expert-subset's routed experts per token per MoE layer (--experts)
     engine: object | None = None  # "llamacpp": the LlamaCpp instance that runs it
+    siblings: int | None = None  # feature and hybrid: the head's alternatives per round (--siblings); None: default
     total: Tally = field(default_factory=Tally)
     by_category: dict[str, Tally] = field(default_factory=dict)
 
@@ -235,7 +236,7 @@ def _methods(args, model) -> list[Method]:
     first γ asked (or its own default) and its profile when the model has one. `auto` is what
     `selfspec tune` chose; early exit without -k/-g takes k and γ from the tune when it chose early
     exit."""
-    from selfspec.drafters import FEATURE_MIN_NGRAM, METHODS, hybrid_fallback
+    from selfspec.drafters import FEATURE_MIN_NGRAM, METHODS, default_siblings, hybrid_fallback
     from selfspec.moe import experts_per_token
     from selfspec.profiles import load_profile
     from selfspec.tuner import SECTION as TUNE
@@ -278,15 +279,21 @@ def _methods(args, model) -> list[Method]:
             asked = args.exit_layer[0] if args.exit_layer else None
             fallback = hybrid_fallback(dict(profile=profile, identity=model.identity, asked_exit_layer=asked))
             k = None if fallback == "feature" else exit_layers[0]
+            m = getattr(args, "siblings", None) or default_siblings()
+            first = f"feature's {m} siblings" if m > 1 else "feature γ=1"
             what = {"layer-skip": "layer-skip", "early-exit": f"early-exit k={k}",
-                    "feature": f"feature γ=1, lookup suffix ≥ {FEATURE_MIN_NGRAM}, no gates"}[fallback]
+                    "feature": f"{first}, lookup suffix ≥ {FEATURE_MIN_NGRAM}, no gates"}[fallback]
             out.append(Method(f"hybrid (lookup, else {what})", name, k, draft_lens[0]))
         else:
             label = name if draft_lens[0] is None else f"{name} γ≤{draft_lens[0]}"
             if name == "layer-skip":
                 label += " (searched profile)" if "layer-skip" in profile else " (untuned default)"
             vocab = getattr(args, "draft_vocab", None) if name == "feature" else None
-            out.append(Method(label + (f" V={vocab}" if vocab else ""), name, None, draft_lens[0], draft_vocab=vocab))
+            sib = getattr(args, "siblings", None) if name == "feature" else None
+            label += (f" V={vocab}" if vocab else "") + (f", {sib} siblings" if sib and sib > 1 else "")
+            out.append(Method(label, name, None, draft_lens[0], draft_vocab=vocab))
+    for m in out:
+        m.siblings = getattr(args, "siblings", None)
     return out
 
 
@@ -340,7 +347,8 @@ def _run(model, m: Method, ids: torch.Tensor, n: int, sampling: dict | None = No
         tokens, seconds = m.engine.generate(ids, n, model.eos_ids)
         return Run(tokens, seconds, None, 0)
     result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
-                            draft_vocab=m.draft_vocab, experts=m.experts, max_new_tokens=n, **(sampling or {}))
+                            draft_vocab=m.draft_vocab, experts=m.experts, siblings=m.siblings, max_new_tokens=n,
+                            **(sampling or {}))
     return Run(result.tokens, result.stats.wall_s, result.stats, result.stats.kv_cache_bytes)
 
 

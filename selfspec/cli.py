@@ -70,6 +70,10 @@ def _speculation_options(p: argparse.ArgumentParser) -> None:
 
 
 def _drafter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--siblings", type=int, default=None, metavar="M",
+                   help="feature head (and hybrid's fallback to it): draft its M likeliest next tokens as "
+                        "alternatives, all verified in one forward, instead of a chain (default: 1, a chain; "
+                        "hybrid 2 on CPUs with AMX, where a few rows cost about one)")
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence stop: end a draft after a token whose draft top-1 probability is below this "
                         "(layer-skip: the starting value of its adaptive threshold; default per method, 0.8; "
@@ -213,6 +217,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-len", "-g", type=int, action="append", default=None,
                    help="draft length(s) to run, repeatable (default 4)")
     b.add_argument("--draft-vocab", type=int, default=None, metavar="N", help=DRAFT_VOCAB_HELP)
+    b.add_argument("--siblings", type=int, default=None, metavar="M",
+                   help="feature and hybrid: the head's M likeliest next tokens as alternatives verified in one "
+                        "forward (default: feature 1; hybrid 2 on CPUs with AMX, else 1)")
     b.add_argument("--experts", type=int, action="append", default=None, metavar="N",
                    help="expert-subset's routed experts per token per MoE layer, repeatable (default 1; "
                         "mixture-of-experts models only, which `--method all` then includes)")
@@ -526,7 +533,7 @@ def _first_line(error: BaseException) -> str:
 def _speculation(args) -> dict:
     """The options `_speculation_options` defined, as SelfSpecModel.prepare takes them."""
     names = ("method", "exit_layer", "draft_len", "threshold", "skip", "skip_ratio", "every", "ngram", "profile",
-             "exit_adapter", "draft_vocab", "experts")
+             "exit_adapter", "draft_vocab", "experts", "siblings")
     return {name: getattr(args, name) for name in names}
 
 
@@ -596,6 +603,8 @@ def _check_options(options: dict) -> None:
         raise ValueError(f"--experts must be >= 1, got {options['experts']}")
     if options.get("draft_vocab") is not None and options["draft_vocab"] < 1:
         raise ValueError(f"--draft-vocab must be >= 1, got {options['draft_vocab']}")
+    if options.get("siblings") is not None and not 1 <= options["siblings"] <= 15:
+        raise ValueError(f"--siblings must be 1 (a chain) .. 15 (a verify takes 16 rows), got {options['siblings']}")
     if options["draft_len"] is not None and options["draft_len"] < 1:
         raise ValueError(f"--draft-len must be >= 1, got {options['draft_len']}")
     if options.get("max_new_tokens", 1) < 1:
