@@ -262,6 +262,10 @@ def _methods(args, model) -> list[Method]:
             method, k, g = (tuned["method"], tuned.get("exit_layer"), tuned.get("draft_len")) if tuned else \
                 model.tuned(None, None, None)
             what = method + (f" k={k}" if k else "") + (f" γ={g}" if g else "")
+            if method == "hybrid" and hybrid_fallback(dict(profile=profile, identity=model.identity,
+                                                           asked_exit_layer=k)) == "feature":
+                m = getattr(args, "siblings", None) or default_siblings()
+                what += f", feature's {m} siblings" if m > 1 else ", feature γ=1"
             source = "tuned" if tuned else "shipped" if method != "ar" else "no profile"
             out.append(Method(f"auto ({source}: {what})", method, k, g))
         elif name == "early-exit":

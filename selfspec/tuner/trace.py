@@ -107,7 +107,10 @@ def replay_lookup(t: Trace, draft_len: int, ngram: int = 3) -> Rounds:
 def replay_feature(t: Trace, adapter, drafter) -> tuple[Rounds, float]:
     """The rounds the engine runs for a feature-head drafter (selfspec.drafters.feature, or the
     hybrid over it: lookup, else the head; greedy) on this prompt, the drafter itself proposing from the trace's final states; and the seconds
-    its proposals took (c's numerator)."""
+    its proposals took (c's numerator). A sibling draft (Draft.siblings) counts as one drafted
+    position, accepted when the model's token is among its alternatives, as the engine counts it;
+    the prediction then charges it a 2-row verify, not its m + 1 rows (on AMX, ~2% optimistic at
+    m = 2: tune's timed check measures the real thing)."""
     from selfspec.drafters.base import DraftContext  # (drafters import the tuner's neighbours)
     from selfspec.sampling import SamplingParams
     from selfspec.stats import GenerationStats
@@ -115,7 +118,7 @@ def replay_feature(t: Trace, adapter, drafter) -> tuple[Rounds, float]:
     positions = len(t.prompt) + len(t.output)
     cache = adapter.new_cache(positions + drafter.draft_len + 1)
     ctx = DraftContext(adapter, cache, SamplingParams(), None, torch.tensor(t.prompt), list(t.prompt),
-                       GenerationStats(drafter.name))
+                       GenerationStats(drafter.name), siblings=True)
     drafter.begin(ctx)
     cache.exit_states[:t.final.shape[0]] = t.final
     spent = 0.0
@@ -124,8 +127,11 @@ def replay_feature(t: Trace, adapter, drafter) -> tuple[Rounds, float]:
         nonlocal spent
         ctx.committed = t.prompt + t.output[:j + 1]
         begun = time.perf_counter()
-        proposal = drafter.propose(torch.tensor(t.output[j:j + 1]), len(t.prompt) + j, room).tokens.tolist()
+        drafted = drafter.propose(torch.tensor(t.output[j:j + 1]), len(t.prompt) + j, room)
+        proposal = drafted.tokens.tolist()
         spent += time.perf_counter() - begun
+        if drafted.siblings and room >= 1:
+            return 1, int(j + 1 < len(t.output) and t.output[j + 1] in proposal)
         accepted = 0
         while (accepted < len(proposal) and j + 1 + accepted < len(t.output)
                and proposal[accepted] == t.output[j + 1 + accepted]):
