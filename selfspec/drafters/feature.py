@@ -77,8 +77,11 @@ class FeatureDraft:
         predicted = self.state.first(start, self.ctx.committed)
         m = self.siblings  # the engine trims them to the cache (Decoding._fit_siblings)
         if m > 1 and self.ctx.siblings and self.ctx.adapter.runs_siblings(m + 1):
-            _, _, logits = draft_token(self.ctx, predicted, self.ctx.generator, head=self.head, logits=self.state.logits)
-            top = logits[0].topk(min(m, logits.shape[-1])).indices
+            logits = self.state.logits  # the fused step's, else the head's (no draw: siblings need no q)
+            if logits is None:
+                logits = self.ctx.adapter.head(predicted) if self.head is None else self.head.subset_logits(predicted)
+            logits = logits.reshape(-1, logits.shape[-1])[-1]
+            top = logits.topk(min(m, logits.shape[-1])).indices
             return Draft(tokens=top if self.head is None else self.head.ids[top], siblings=True)
         for i in range(gamma):
             if i:
