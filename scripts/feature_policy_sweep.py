@@ -52,11 +52,12 @@ def main() -> None:
                              "no payoff gates), comma-separated")
     parser.add_argument("--bench", action="store_true",
                         help="the benchmark's 6 prompts (one per category, as `selfspec bench`), not tune's 12")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "int8"])
     parser.add_argument("--no-exact", action="store_true",
                         help="the default lean step, not exact mode's 4-row bucket (which allows γ <= 3 only)")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    model = selfspec.load("smollm2", dtype="bfloat16", exact=not args.no_exact)
+    model = selfspec.load("smollm2", dtype=args.dtype, exact=not args.no_exact)
     prompts = [p.text for p in (load_prompts(None, 1) if args.bench else load_prompts(None, 2, default="calibration.jsonl"))]
     policies = [("ar", None, None)]
     for p in args.policies.split(","):
@@ -96,7 +97,7 @@ def main() -> None:
                 row[5] += out.tokens == reference
     ar_rate = totals[policies[0]][1] / totals[policies[0]][0]
     mode = "eager, not exact" if args.no_exact else "exact"
-    print(f"SmolLM2 bfloat16 ({mode}), kernel path {gemv.kernel_path()}, {len(prompts)} {'benchmark' if args.bench else 'calibration'} prompts × {args.n} tokens × {args.repeats}, "
+    print(f"SmolLM2 {args.dtype} ({mode}), kernel path {gemv.kernel_path()}, {len(prompts)} {'benchmark' if args.bench else 'calibration'} prompts × {args.n} tokens × {args.repeats}, "
           f"decode tok/s (prefill excluded), 2 threads")
     print("| policy | tok/s | × AR | α | tokens/round | identical |")
     print("|---|---|---|---|---|---|")
