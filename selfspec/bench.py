@@ -264,7 +264,7 @@ def _methods(args, model) -> list[Method]:
             what = method + (f" k={k}" if k else "") + (f" γ={g}" if g else "")
             if method == "hybrid" and hybrid_fallback(dict(profile=profile, identity=model.identity,
                                                            asked_exit_layer=k)) == "feature":
-                m = getattr(args, "siblings", None) or default_siblings()
+                m = default_siblings(getattr(args, "siblings", None))
                 what += f", feature's {m} siblings" if m > 1 else ", feature γ=1"
             source = "tuned" if tuned else "shipped" if method != "ar" else "no profile"
             out.append(Method(f"auto ({source}: {what})", method, k, g))
@@ -283,7 +283,7 @@ def _methods(args, model) -> list[Method]:
             asked = args.exit_layer[0] if args.exit_layer else None
             fallback = hybrid_fallback(dict(profile=profile, identity=model.identity, asked_exit_layer=asked))
             k = None if fallback == "feature" else exit_layers[0]
-            m = getattr(args, "siblings", None) or default_siblings()
+            m = default_siblings(getattr(args, "siblings", None))
             first = f"feature's {m} siblings" if m > 1 else "feature γ=1"
             what = {"layer-skip": "layer-skip", "early-exit": f"early-exit k={k}",
                     "feature": f"{first}, lookup suffix ≥ {FEATURE_MIN_NGRAM}, no gates"}[fallback]

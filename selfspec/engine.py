@@ -192,12 +192,9 @@ def verify_forward(
     each row computed exactly as a one-token autoregressive step would (see run_layers); for
     sibling drafts, the pending token and each alternative at start+1 (Draft.siblings)."""
     gamma = len(draft)
-    if draft.siblings:  # pending, then the alternatives for position start+1, each in its own slot
+    if draft.exit_hidden is None or gamma == 0 or draft.siblings:
         h = adapter.embed(torch.cat([pending, draft.tokens]))
-        return adapter.head(adapter.run_layers(h, range(adapter.n_layers), start, cache, siblings=True))
-    if draft.exit_hidden is None or gamma == 0:
-        h = adapter.embed(torch.cat([pending, draft.tokens]))
-        h = adapter.run_layers(h, range(adapter.n_layers), start, cache, rowwise=True)
+        h = adapter.run_layers(h, range(adapter.n_layers), start, cache, rowwise=True, siblings=draft.siblings)
         return adapter.head(h)
     k = draft.exit_layer
     if draft.exit_hidden.shape[1] == gamma + 1:  # the drafter also ran the last draft token's layers < k

@@ -22,6 +22,7 @@ it fuses the small ops around it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -60,8 +61,9 @@ def _prefetch() -> int:
     return PREFETCH if "GenuineIntel" in _cpuinfo("vendor_id") else 0
 
 
+@functools.cache
 def _cpuinfo(field: str) -> list[str]:
-    """The words of /proc/cpuinfo's first `field` line (empty where there is none)."""
+    """The words of /proc/cpuinfo's first `field` line (empty where there is none), read once a process."""
     try:
         return next((line.split(":", 1)[-1] for line in open("/proc/cpuinfo") if line.startswith(field)), "").split()
     except OSError:

@@ -88,20 +88,17 @@ def verify_siblings(
     (argmax, or a draw). So y is drawn from p_0 and the bonus from p given y, exactly as two
     steps of plain decoding would; the alternatives decide only whether the bonus exists.
     """
-    m = alternatives.shape[0]
-    _check_shapes(m, target, "target")
-    if greedy:
-        picks = target.argmax(-1)  # [m+1]
-    else:
-        first = sample(target[:1], generator)  # [1]
-        picks = None
-    y = int(picks[0] if greedy else first)
-    where = (alternatives.long() == y).nonzero().flatten().tolist()
-    if not where:
+    _check_shapes(alternatives.shape[0], target, "target")
+    picks = target.argmax(-1).tolist() if greedy else None  # greedy: every row's token in one host sync
+
+    def token(row: int) -> int:
+        return picks[row] if greedy else int(sample(target[row:row + 1], generator))
+
+    y, options = token(0), alternatives.tolist()
+    if y not in options:
         return Verdict(tokens=[y])
-    i = where[0]
-    bonus = int(picks[1 + i]) if greedy else int(sample(target[1 + i:2 + i], generator))
-    return Verdict(tokens=[y, bonus], sibling=i)
+    i = options.index(y)
+    return Verdict(tokens=[y, token(1 + i)], sibling=i)
 
 
 def rejection_sample(

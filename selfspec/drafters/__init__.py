@@ -87,8 +87,8 @@ def _hybrid(**o) -> Drafter:
     fallback = hybrid_fallback(o)
     if fallback == "feature":
         lookup.min_ngram = min(FEATURE_MIN_NGRAM, lookup.ngram)
-        siblings = o.get("siblings") or default_siblings()
-        return Hybrid(lookup, _feature(**{**o, "draft_len": 1, "siblings": siblings}), gate=False)
+        return Hybrid(lookup, _feature(**{**o, "draft_len": 1, "siblings": default_siblings(o.get("siblings"))}),
+                      gate=False)
     return Hybrid(lookup, _layer_skip(**o) if fallback == "layer-skip" else _early_exit(**o))
 
 
@@ -96,13 +96,15 @@ FEATURE_MIN_NGRAM = 2  # hybrid with the feature head: lookup's shortest suffix 
 DEFAULT_SIBLINGS = 2  # hybrid's feature fallback on CPUs with AMX: its two likeliest tokens as siblings
 
 
-def default_siblings() -> int:
-    """Alternatives hybrid's feature fallback drafts (Draft.siblings): DEFAULT_SIBLINGS where the
+def default_siblings(asked: int | None = None) -> int:
+    """Alternatives hybrid's feature fallback drafts (Draft.siblings): `asked` if given, else DEFAULT_SIBLINGS where the
     products run on AMX, whose 3-row verify costs ~1.07 steps (2-core Intel Xeon: the hybrid
     1.24x -> 1.28x AR on the benchmark prompts, 1.53x -> 1.57x on tune's; README "Siblings"), else
     1 (a chain: the pair products' 3-row verify costs 1.17-1.27 steps, unmeasured with siblings)."""
     from selfspec import gemv
 
+    if asked:
+        return asked
     return DEFAULT_SIBLINGS if gemv.kernel_path() == "amx" and gemv.available() else 1
 
 

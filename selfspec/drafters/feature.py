@@ -19,7 +19,7 @@ import torch
 
 from selfspec.draft_head import PrunedHead
 from selfspec.drafters.base import Draft, DraftContext
-from selfspec.drafters.shallow import confident, draft_token
+from selfspec.drafters.shallow import confident, draft_token, head_logits
 from selfspec.feature_head import FeatureHead, FeatureState
 from selfspec.fused_feature import FusedFeature, unsupported_reason
 from selfspec.fused_layer import ROWS
@@ -73,16 +73,14 @@ class FeatureDraft:
         gamma = min(self.draft_len, max_len)
         if gamma <= 0:
             return Draft(tokens=pending.new_empty(0))
-        token, tokens, probs = pending, [], []
         predicted = self.state.first(start, self.ctx.committed)
         m = self.siblings  # the engine trims them to the cache (Decoding._fit_siblings)
         if m > 1 and self.ctx.siblings and self.ctx.adapter.runs_siblings(m + 1):
-            logits = self.state.logits  # the fused step's, else the head's (no draw: siblings need no q)
-            if logits is None:
-                logits = self.ctx.adapter.head(predicted) if self.head is None else self.head.subset_logits(predicted)
-            logits = logits.reshape(-1, logits.shape[-1])[-1]
-            top = logits.topk(min(m, logits.shape[-1])).indices
+            # The fused step's logits, else the head's; no draw (siblings need no q).
+            logits = self.state.logits if self.state.logits is not None else head_logits(self.ctx, predicted, head=self.head)
+            top = logits.reshape(-1, logits.shape[-1])[-1].topk(min(m, logits.shape[-1])).indices
             return Draft(tokens=top if self.head is None else self.head.ids[top], siblings=True)
+        token, tokens, probs = pending, [], []
         for i in range(gamma):
             if i:
                 predicted = self.state.step(predicted, token)

@@ -69,6 +69,13 @@ def draft_shallow(
     )
 
 
+def head_logits(ctx: DraftContext, h: torch.Tensor, transform=None, head: PrunedHead | None = None) -> torch.Tensor:
+    """The draft head's logits of h [1, 1, hidden] (after `transform`): the model's head [1, vocab]
+    or the pruned one's subset [1, N]."""
+    h = h if transform is None else transform(h)
+    return ctx.adapter.head(h) if head is None else head.subset_logits(h)
+
+
 def draft_token(
     ctx: DraftContext,
     h: torch.Tensor,
@@ -82,8 +89,7 @@ def draft_token(
     logits: the head's logits of h when already computed (the fused feature step), else None.
     Returns (token [1], q [1, vocab] or None when greedy, the head's logits)."""
     if logits is None:
-        h = h if transform is None else transform(h)
-        logits = ctx.adapter.head(h) if head is None else head.subset_logits(h)  # [1, vocab] or [1, N]
+        logits = head_logits(ctx, h, transform, head)
     if ctx.sampling.greedy:
         return (logits.argmax(-1) if head is None else head.ids[logits.argmax(-1)]), None, logits
     if head is None:

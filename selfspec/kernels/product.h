@@ -308,26 +308,34 @@ static void product4(const T* W, const E* x, const uint16_t* scale, const E* bia
     }
 }
 
-// Any number of rows up to MAX_ROWS, four per pass over W (all in one with AMX) (each row's result is the same in any
-// pass). X: float32 scratch for four rows of x. Rows R..R_out-1 pad a fixed row bucket (exact
-// mode): copies of the last computed row, as selfspec.step pads its inputs.
+// Whether the AMX tile products ran these R rows (bfloat16 activations, a build with AMX, the
+// process granted the tile state); false: the caller runs the other paths.
+template <typename T, typename E>
+static bool ran_amx(const T* W, const E* x, const uint16_t* scale, const E* bias, E* Y, long N, long K, int R,
+                    int threads) {
+#ifdef SELFSPEC_AMX
+    if constexpr (std::is_same<E, uint16_t>::value) {
+        if (amx_permitted()) {
+            product_amx<T>(W, x, scale, bias, Y, N, K, R, threads);
+            return true;
+        }
+    }
+#endif
+    return false;
+}
+
+// Any number of rows up to MAX_ROWS, four per pass over W, all in one with AMX (each row's result
+// is the same in any pass). X: float32 scratch for four rows of x. Rows R..R_out-1 pad a fixed row
+// bucket (exact mode): copies of the last computed row, as selfspec.step pads its inputs.
 static const int MAX_ROWS = 16;
 
 template <typename T, typename E>
 static int product(const T* W, const E* x, const uint16_t* scale, const E* bias, E* Y, long N, long K, int R, int R_out,
                    int threads, float* X) {
     if (R < 1 || R > MAX_ROWS || R_out < R || R_out > MAX_ROWS) return 1;
-#ifdef SELFSPEC_AMX
-    if constexpr (std::is_same<E, uint16_t>::value) {
-        if (amx_permitted()) {
-            product_amx<T>(W, x, scale, bias, Y, N, K, R, threads);
-            for (int r = R; r < R_out; r++) memcpy(Y + (long)r * N, Y + (long)(R - 1) * N, N * sizeof(E));
-            return 0;
-        }
-    }
-#endif
-    for (int c = 0; c < R; c += 4)
-        product4<T, E>(W, x + c * K, scale, bias, Y + c * N, N, K, R - c < 4 ? R - c : 4, threads, X);
+    if (!ran_amx<T, E>(W, x, scale, bias, Y, N, K, R, threads))
+        for (int c = 0; c < R; c += 4)
+            product4<T, E>(W, x + c * K, scale, bias, Y + c * N, N, K, R - c < 4 ? R - c : 4, threads, X);
     for (int r = R; r < R_out; r++) memcpy(Y + (long)r * N, Y + (long)(R - 1) * N, N * sizeof(E));
     return 0;
 }

@@ -130,8 +130,8 @@ def replay_feature(t: Trace, adapter, drafter) -> tuple[Rounds, float]:
         drafted = drafter.propose(torch.tensor(t.output[j:j + 1]), len(t.prompt) + j, room)
         proposal = drafted.tokens.tolist()
         spent += time.perf_counter() - begun
-        if drafted.siblings and room >= 1:
-            return 1, int(j + 1 < len(t.output) and t.output[j + 1] in proposal)
+        if drafted.siblings:  # (a round only starts where output[j + 1] exists)
+            return 1, int(t.output[j + 1] in proposal)
         accepted = 0
         while (accepted < len(proposal) and j + 1 + accepted < len(t.output)
                and proposal[accepted] == t.output[j + 1 + accepted]):
