@@ -145,13 +145,14 @@ class Decoding:
 
     def _fit_siblings(self, draft: Draft, room: int) -> Draft:
         """A sibling draft as this sequence can verify it: alternatives in the slots short of the
-        cache's scratch slot, and only where siblings run (else its first alternative as a
-        one-token chain, which the chain verify checks as it checks any draft)."""
+        cache's scratch slot, and only where siblings run; else, greedy, its first alternative as
+        a one-token chain (which the chain verify checks as it checks any draft), and sampling, no
+        draft (a chain token needs the q it was drawn from, which siblings do not carry)."""
         if room < 1:
             return Draft(tokens=draft.tokens[:0])
         fits = min(len(draft), self.cache.capacity - 2 - self.start)
         if not self.ctx.siblings or fits < 2 or not self.adapter.runs_siblings(fits + 1):
-            return Draft(tokens=draft.tokens[:1])
+            return Draft(tokens=draft.tokens[:1 if self.sampling.greedy else 0])
         return Draft(tokens=draft.tokens[:fits], siblings=True)
 
     def finish_round(self, draft: Draft, target_logits: torch.Tensor, verify_s: float = 0.0) -> list[int]:

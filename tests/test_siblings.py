@@ -167,3 +167,20 @@ def test_the_engine_turns_siblings_it_cannot_verify_into_a_chain():
     assert not batched.siblings and batched.tokens.tolist() == alone.tokens[:1].tolist()
     seq.cache.rewind(seq.cache.capacity - 4)  # two slots left before the scratch slot
     assert len(seq._fit_siblings(alone, room=1)) == 2
+
+
+def test_sampling_turns_siblings_it_cannot_verify_into_a_plain_step():
+    """A one-token chain would need the q its token was drawn from, which siblings lack: sampled
+    siblings that cannot run become no draft, and decoding goes on."""
+    from selfspec.engine import Decoding, verify_forward
+    from selfspec.sampling import SamplingParams
+    from selfspec.stats import GenerationStats
+
+    model = SelfSpecModel(tiny_model("llama"))
+    seq = Decoding(model.adapter, torch.tensor(PROMPT), Oracle(m=3, top_k=3), sampling=SamplingParams(temperature=1.0, seed=0),
+                   max_new_tokens=6, stats=GenerationStats("oracle"), siblings=False)
+    seq.prefill(measure_step=False)
+    draft = seq.draft()
+    assert not draft.siblings and len(draft) == 0
+    tokens = seq.finish_round(draft, verify_forward(model.adapter, seq.cache, seq.pending, draft, seq.start))
+    assert len(tokens) == 1
