@@ -1,6 +1,6 @@
 """Timings behind the README's fused-layer paragraphs (SmolLM2, bfloat16), each printed with what it is.
 
-    .venv/bin/python scripts/kernel_timings.py [--threads 2] [--repeats 21]
+    .venv/bin/python scripts/kernel_timings.py [--threads 2] [--repeats 21] [--only products|fused|prefill ...]
 
 1. The product kernel's streaming rate: SmolLM2's 120 layer matrices (random bfloat16 weights of
    the same shapes) for 1-4 input rows, and one 512 MB matrix for one row, beside a streamed read
@@ -105,15 +105,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--only", nargs="+", choices=("products", "fused", "prefill"),
+                    default=("products", "fused", "prefill"), help="which of the three parts to time (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not gemv.available():
         raise SystemExit("the product kernel does not run here (no g++ or no AVX2/FMA)")
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"{cpu}, {args.threads} threads, torch {torch.__version__}, medians of {args.repeats}")
-    products(args.repeats)
-    fused_step(selfspec.load("smollm2", dtype="bfloat16", progress=False), args.repeats)
-    prefill(max(5, args.repeats // 4))
+    if "products" in args.only:
+        products(args.repeats)
+    if "fused" in args.only:
+        fused_step(selfspec.load("smollm2", dtype="bfloat16", progress=False), args.repeats)
+    if "prefill" in args.only:
+        prefill(max(5, args.repeats // 4))
 
 
 if __name__ == "__main__":

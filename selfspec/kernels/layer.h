@@ -176,39 +176,77 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long o
 }
 
 #ifdef __AVX512BF16__
+// The lane sums of 16 vectors in one: lane t of the result is the sum of a[t]'s 16 lanes, every
+// one in the same tree ((x_l + x_l+8) + (x_l+4 + x_l+12), then (z0 + z2) + (z1 + z3)), as four
+// rounds of shuffles and adds shared by all 16 (hsum16 per vector costs twice the instructions).
+static inline __m512 reduce16(const __m512* a) {
+    __m512 b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++)  // lanes 0-7: vector 2i's x_l + x_l+8; 8-15: vector 2i + 1's
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  // 128-bit quarter m: vector 4i + m's y_l + y_l+4
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  // quarter m: z0 + z2, z1 + z3 of vectors 8i + m, then 8i + 4 + m
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    // quarter m: the sums of vectors m, 4 + m, 8 + m, 12 + m; lane 4m + j holds vector 4j + m's
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, f);
+}
+
 // bfloat16 with AVX512-BF16: q·k as pair dot products of the bfloat16 rows themselves (no
-// conversion), the weighted sum of v on 16 lanes. Its own fixed order per (row, head), as above.
+// conversion), 16 keys' sums reduced together (reduce16); the weighted sum of v on 16 lanes, each
+// loaded 32 bfloat16 at a time and widened as even and odd elements (a shift and a mask). Its own
+// fixed order per (row, head) and per key, wherever the key sits in a block of 16.
 template <int HD>
 static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, long own,
                          float scale, uint16_t* o) {
     static_assert(HD % 32 == 0, "head size");
     const long len = p - lo + 1;
-    float* s = scores(len);
+    float* s = scores(len + 16);
     __m512bh qz[HD / 32];
-    __m512 acc[HD / 16];
-    for (int i = 0; i < HD / 32; i++) qz[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
-    for (int i = 0; i < HD / 16; i++) acc[i] = _mm512_setzero_ps();
-    float m = -INFINITY;
-    for (long j = 0; j < len; j++) {
-        const uint16_t* k = kc + key_slot(lo, j, len, own) * HD;
-        __m512 a = _mm512_setzero_ps();
-        for (int i = 0; i < HD / 32; i++) a = _mm512_dpbf16_ps(a, qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
-        s[j] = hsum16(a) * scale;
-        m = s[j] > m ? s[j] : m;
+    __m512 even[HD / 32], odd[HD / 32];
+    for (int i = 0; i < HD / 32; i++) {
+        qz[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+        even[i] = odd[i] = _mm512_setzero_ps();
     }
-    const float sum = softmax_weights(s, len, m);
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    for (long j0 = 0; j0 < len; j0 += 16) {
+        const long count = len - j0 < 16 ? len - j0 : 16;
+        __m512 a[16];
+        for (long t = 0; t < 16; t++) {
+            a[t] = _mm512_setzero_ps();
+            if (t >= count) continue;  // a block's missing keys sum to 0 and are not kept
+            const uint16_t* k = kc + key_slot(lo, j0 + t, len, own) * HD;
+            for (int i = 0; i < HD / 32; i++) a[t] = _mm512_dpbf16_ps(a[t], qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+        }
+        const __m512 block = _mm512_mul_ps(reduce16(a), scale16);
+        _mm512_storeu_ps(s + j0, block);
+        m16 = _mm512_mask_max_ps(m16, (__mmask16)((1u << count) - 1), m16, block);
+    }
+    const float sum = softmax_weights(s, len, _mm512_reduce_max_ps(m16));
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (long j = 0; j < len; j++) {
         const uint16_t* v = vc + key_slot(lo, j, len, own) * HD;
-        __m512 pj = _mm512_set1_ps(s[j]);
-        for (int i = 0; i < HD / 16; i++) {
-            __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + 16 * i))), 16));
-            acc[i] = _mm512_fmadd_ps(pj, vf, acc[i]);
+        const __m512 pj = _mm512_set1_ps(s[j]);
+        for (int i = 0; i < HD / 32; i++) {
+            const __m512i raw = _mm512_loadu_si512(v + 32 * i);
+            even[i] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[i]);
+            odd[i] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_and_si512(raw, high)), odd[i]);
         }
     }
     const __m256 inv = _mm256_set1_ps(sum);
-    for (int i = 0; i < HD / 16; i++) {
-        store8f(o + 16 * i, _mm256_div_ps(_mm512_castps512_ps256(acc[i]), inv));
-        store8f(o + 16 * i + 8, _mm256_div_ps(high8(acc[i]), inv));
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int i = 0; i < HD / 32; i++) {  // elements 32i .. 32i + 15, then 32i + 16 .. 32i + 31
+        const __m512 lo16 = _mm512_permutex2var_ps(even[i], first, odd[i]);
+        const __m512 hi16 = _mm512_permutex2var_ps(even[i], second, odd[i]);
+        store8f(o + 32 * i, _mm256_div_ps(_mm512_castps512_ps256(lo16), inv));
+        store8f(o + 32 * i + 8, _mm256_div_ps(high8(lo16), inv));
+        store8f(o + 32 * i + 16, _mm256_div_ps(_mm512_castps512_ps256(hi16), inv));
+        store8f(o + 32 * i + 24, _mm256_div_ps(high8(hi16), inv));
     }
 }
 #endif
