@@ -262,7 +262,8 @@ def _build_parser() -> argparse.ArgumentParser:
                           "'code': the bundled held-out code prompts")
     cal.add_argument("--num-prompts", type=int, default=120, help="first N prompts of the file (default 120)")
     cal.add_argument("--text", action="append", default=[], metavar="FILE",
-                     help="plain text to train on as well, in windows of 256 tokens (repeatable; training only)")
+                     help="plain text to train on as well, in windows of 256 tokens (--head feature: 512, teacher-forced "
+                          "with no decoding) (repeatable; training only, never held out)")
     cal.add_argument("--max-new-tokens", "-n", type=int, default=128,
                      help="tokens generated per prompt (default 128)")
     cal.add_argument("--exit-layer", "-k", type=int, action="append", default=None,
@@ -696,7 +697,7 @@ def _calibrate(args) -> int:
                  prompt_source=args.prompts or "bundled calibration_train.jsonl", texts=len(texts),
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     if args.head == "feature":
-        return _calibrate_feature(args, model, prompts, setup)
+        return _calibrate_feature(args, model, prompts, setup, texts)
     if args.head == "context":
         from selfspec.context_calibrate import calibrate_context
 
@@ -743,17 +744,15 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _calibrate_feature(args, model, prompts: list[str], setup: dict) -> int:
+def _calibrate_feature(args, model, prompts: list[str], setup: dict, texts: list[str]) -> int:
     from selfspec import feature_calibrate
 
-    if args.text:
-        raise ValueError("--text is not used by --head feature (it trains on the model's own outputs)")
     train_vocab = 8192 if args.train_vocab is None else args.train_vocab
     if args.samples < 0 or args.noise < 0:
         raise ValueError("--samples and --noise must be >= 0")
     trained = feature_calibrate.calibrate_feature(
         model, prompts, max_new_tokens=args.max_new_tokens, samples=args.samples, noise=args.noise,
-        steps=args.steps, sequences=args.sequences,
+        texts=texts, steps=args.steps, sequences=args.sequences,
         positions=args.batch_size, lr=args.lr, width=args.width, heads=args.heads, draft_vocab=train_vocab,
         holdout=args.holdout, seed=args.seed, progress=not args.json, data_path=args.data)
     setup.update(head="feature", heads=args.heads, sequences=args.sequences, samples=args.samples, noise=args.noise,
@@ -762,7 +761,8 @@ def _calibrate_feature(args, model, prompts: list[str], setup: dict) -> int:
     if args.json:
         print(json.dumps({"model": model.name, **setup, **trained.summary(), "path": str(path)}))
         return 0
-    print(f"{model.name}, {model.dtype_name}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens; "
+    print(f"{model.name}, {model.dtype_name}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens"
+          + (f" + {len(texts)} text file(s)" if texts else "") + f"; "
           f"{trained.train_positions} training positions, {trained.held_out_positions} held-out output positions; "
           f"data {trained.data_seconds:.0f} s, training {trained.seconds:.0f} s ({args.steps} steps); "
           f"{trained.head.n_params / 1e6:.2f}M parameters, draft head of {trained.draft_ids.numel()} tokens")

@@ -100,6 +100,21 @@ def test_tally_keeps_the_most_memory_over_prompts():
     assert summary["identical_to_ar"] == "2/2" and summary["tokens_per_s"] == 4.0
 
 
+def test_decode_rate_leaves_out_each_prefill_and_its_token():
+    """tok/s counts the prefill; the decode rate is the tokens after each run's first over the
+    time after its prefill, the part a draft can speed up."""
+    from selfspec.stats import GenerationStats
+
+    tally = bench.Tally()
+    assert tally.decode_tokens_per_s is None  # transformers' rows carry no engine stats
+    for prefill, wall in ((1.0, 2.0), (3.0, 3.5)):
+        stats = GenerationStats("ar", None, 0)
+        stats.prefill_s, stats.wall_s = prefill, wall
+        tally.add(bench.Run(list(range(11)), wall, stats, 0), True, MemoryUse(before=0, peak=0))
+    assert tally.tokens_per_s == 22 / 5.5 and tally.decode_tokens_per_s == 20 / 1.5
+    assert tally.summary()["decode_tokens_per_s"] == round(20 / 1.5, 3)
+
+
 def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
     from selfspec.profiles import save_section
 

@@ -10,7 +10,7 @@ from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_tar
 from selfspec.calibrate import held_out_prompts
 from selfspec.drafters import make_drafter
 from selfspec.drafters.feature import FeatureDraft
-from selfspec.feature_calibrate import drafted_runs, feature_data, train_feature_head
+from selfspec.feature_calibrate import _teacher_forced, drafted_runs, feature_data, train_feature_head
 from selfspec.feature_head import (
     SECTION,
     FeatureHead,
@@ -276,6 +276,24 @@ def _batches(model, data):
     return Batches(data, lambda ids: model.adapter.embed_tokens(ids).float())
 
 
+def test_plain_text_trains_but_is_never_held_out_nor_counted_for_the_draft_head(tiny):
+    """--text windows add training positions only: the held-out prompts, their α before training
+    and the draft head's tokens (ranked on prompts and outputs) are what they are without them."""
+    model = tiny("llama")
+    prompts = [torch.tensor([(7 * i + 3 * j) % 90 + 5 for j in range(6 + i % 5)]) for i in range(12)]
+    data = feature_data(model, prompts, 12, progress=False)
+    text = [_teacher_forced(model.adapter, torch.tensor([1 + (j % 4) for j in range(40)]), 0, -1, text=True)
+            for _ in range(3)]  # the most frequent tokens of all, were text counted
+    options = dict(steps=2, sequences=2, positions=16, heads=2, head_dim=16, draft_vocab=16, holdout=0.25,
+                   progress=False)
+    alone = train_feature_head(model.adapter, data, **options)
+    mixed = train_feature_head(model.adapter, data + text, **options)
+    assert mixed.train_positions == alone.train_positions + 3 * 38
+    assert mixed.held_out_positions == alone.held_out_positions
+    assert mixed.alpha_before == alone.alpha_before
+    assert torch.equal(mixed.draft_ids, alone.draft_ids) and not set(range(1, 5)) & set(mixed.draft_ids.tolist())
+
+
 def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch, capsys):
     import json
 
@@ -285,12 +303,14 @@ def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch,
 
     monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path / "profiles"))
     ckpt, prompts = tiny_checkpoint_with_prompts(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 40}" for i in range(300)))
     assert main(["calibrate", "--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", "4", "-n", "6",
                  "--steps", "3", "--batch-size", "8", "--sequences", "2", "--heads", "2", "--samples", "1",
                  "--noise", "0.1", "--train-vocab", "50", "--head", "feature", "--output", str(tmp_path / "cal"),
-                 "--holdout", "0.25"]) == 0
+                 "--holdout", "0.25", "--text", str(text)]) == 0
     out = capsys.readouterr().out
-    assert "held out, after" in out and "feature-head: used by --method feature" in out
+    assert "held out, after" in out and "feature-head: used by --method feature" in out and "+ 1 text file(s)" in out
     head = next(p for p in (tmp_path / "cal").iterdir() if p.name.endswith(".feature.safetensors"))
     assert read_header(head)["draft_vocab"] == 50 and read_header(head)["training"]["samples"] == 1
     assert main(["generate", "--model", str(ckpt), "--method", "feature", "-n", "8", "--json", "w5 w9 w12"]) == 0
