@@ -5,6 +5,7 @@
 1. The product kernel's streaming rate: SmolLM2's 120 layer matrices (random bfloat16 weights of
    the same shapes) for 1-4 input rows, and one 512 MB matrix for one row, beside a streamed read
    (the memory floor's bandwidth). Repeats interleave the row counts, so machine noise spreads.
+   Then its compute roof: the kernel on a matrix held in cache, so the rows' arithmetic alone.
 2. The fused step over n = 1-4 rows at 128 and 1,000 keys: the whole step (layers + head), and
    the layers with attention only and with the MLP only (skip sets), so the growth with rows and
    with context is split into attention and MLP.
@@ -53,6 +54,24 @@ def products(repeats: int) -> None:
         print(f"product kernel, 120 layer matrices ({total / 1e6:.0f} MB), {r} row(s): {ms[r]:.2f} ms = "
               f"{total / ms[r] / 1e6:.1f} GB/s, {ms[r] / ms[1]:.2f}x one row")
     print(f"product kernel, one 512 MB matrix, 1 row: {big.numel() * 2 / ms['512 MB, 1 row'] / 1e6:.1f} GB/s")
+    roofline(repeats, total, ms)
+
+
+def roofline(repeats: int, total: int, streamed: dict) -> None:
+    """The compute side: the same kernel on a matrix that stays in cache (no memory stream), 100
+    calls per timing, as multiply-adds per second for 1-4 rows; then, for the 120 matrices, the
+    time r rows' arithmetic takes at that rate beside the time their bytes take at the 1-row rate.
+    Where r rows' arithmetic nears the stream time, v(r) cannot stay near 1 on this CPU."""
+    w = torch.randn(1024, 576).bfloat16()  # 1.2 MB: in a 2 MB L2, split over the threads
+    xs = {r: torch.randn(r, 576).bfloat16() for r in (1, 2, 3, 4)}
+    jobs = {r: (lambda r=r: [gemv.linear(xs[r], w) for _ in range(100)]) for r in (1, 2, 3, 4)}
+    ms = median_ms(jobs, repeats)
+    macs = total // 2  # one multiply-add per bfloat16 weight per row
+    for r in (1, 2, 3, 4):
+        rate = 100 * r * w.numel() / (ms[r] / 1e3)
+        print(f"compute roof (product kernel, 1024x576 matrix in cache, {r} row(s)): {rate / 1e9:.1f} G multiply-adds/s; "
+              f"the 120 matrices' {r}-row arithmetic at that rate {macs * r / rate * 1e3:.2f} ms against their "
+              f"1-row stream {streamed[1]:.2f} ms (measured {r}-row: {streamed[r]:.2f} ms)")
 
 
 def fused_step(model, repeats: int) -> None:

@@ -390,10 +390,11 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
     step = model.adapter.step
     engine = ("lean step, " + ("compiled" if step.compile else "eager") + (", exact" if step.exact_rows else "")
               if step is not None else "general path")
-    ar_step_s = ar.total.seconds / ar.total.tokens if ar.total.tokens else None
+    ar_decode = ar.total.decode_tokens_per_s  # the step: AR's seconds per token after the prefill
+    ar_step_s = 1 / ar_decode if ar_decode else (ar.total.seconds / ar.total.tokens if ar.total.tokens else None)
     setup = (
         f"model {model.name} ({model.n_layers} layers), {model.dtype_name}, {engine}, device {args.device}; "
-        f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token); "
+        f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token after the prefill); "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "
         f"{_decoding(args)}, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}; "
