@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from selfspec import draft_head
-from selfspec.calibrate import TOP, adamw_cosine, descend, distill_loss, held_out_prompts
+from selfspec.calibrate import TOP, adamw_cosine, descend, distill_loss, held_out_prompts, text_windows
 from selfspec.context_calibrate import MISSING, alpha_by_position
 from selfspec.feature_head import FeatureHead
 
@@ -98,16 +98,9 @@ def text_data(model, texts: list[str], window: int = 512, progress: bool = True)
     """Plain text as training data: consecutive windows of `window` tokens, each teacher-forced once
     (no decoding, so about five times the positions a second of decoding gives here). The teacher
     is still the model's own distribution at every position; only the text is not its own."""
-    if model.tokenizer is None:
-        raise ValueError("training on plain text needs the model's tokenizer")
-    windows = []
-    for text in texts:
-        ids = model.tokenizer(text)["input_ids"]
-        windows += [ids[i:i + window] for i in range(0, len(ids) - 2, window) if len(ids[i:i + window]) > 2]
-    out = []
-    for ids in tqdm(windows, desc="teacher-force text", unit="window", file=sys.stderr, disable=not progress):
-        out.append(_teacher_forced(model.adapter, torch.tensor(ids, dtype=torch.long), 0, -1, text=True))
-    return out
+    windows = [w.ids for text in texts for w in text_windows(model, text, window)]
+    return [_teacher_forced(model.adapter, torch.tensor(ids, dtype=torch.long), 0, -1, text=True)
+            for ids in tqdm(windows, desc="teacher-force text", unit="window", file=sys.stderr, disable=not progress)]
 
 
 class Student:
@@ -235,12 +228,13 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
     if min(steps, sequences, positions, draft_vocab) < 1 or not lr > 0:
         raise ValueError("steps, sequences, positions and draft_vocab must be >= 1 and the learning rate > 0")
     data = [x for x in data if x.ids.numel() > 2]
-    prompts = [x.prompt if x.prompt >= 0 else i for i, x in enumerate(data)]
-    names = sorted({p for p, x in zip(prompts, data) if not x.text})
+    # each sequence's prompt, the unit of the held-out split; plain text has none, so it always trains
+    prompts = [None if x.text else x.prompt if x.prompt >= 0 else i for i, x in enumerate(data)]
+    names = sorted({p for p in prompts if p is not None})
     held = held_out_prompts(len(names), holdout, seed)
     held_names = {name for name, h in zip(names, held.tolist()) if h}
-    train = [i for i, p in enumerate(prompts) if p not in held_names or data[i].text]
-    held_out = [i for i, p in enumerate(prompts) if p in held_names and not data[i].sampled and not data[i].text]
+    train = [i for i, p in enumerate(prompts) if p not in held_names]
+    held_out = [i for i, p in enumerate(prompts) if p in held_names and not data[i].sampled]
     generator = torch.Generator().manual_seed(seed)
     greedy = [i for i in train if not data[i].sampled and not data[i].text]
     seen = [greedy[i] for i in torch.randperm(len(greedy), generator=generator)[:len(held_out)].tolist()]
