@@ -1,4 +1,11 @@
-#include "/work/main/selfspec/kernels/layer.h"
+// One (row, head) of the fused layer's attention over 1,000 keys (head size 64, bfloat16), one
+// thread, 10,000 calls, three times: the AVX512-BF16 path (attend_pairs) and the AVX2 one.
+// Build from the repository root (-I picks which layer.h; for an earlier version, `git show
+// REV:selfspec/kernels/layer.h` and product.h into a folder and point -I there):
+//
+//   g++ -O3 -std=c++17 -mavx2 -mfma -ffp-contract=off -fopenmp -mavx512f -mavx512bf16 \
+//       -Iselfspec/kernels scripts/attention_timing.cpp -o /tmp/attention_timing && /tmp/attention_timing
+#include "layer.h"
 #include <chrono>
 #include <cstdio>
 int main() {
