@@ -264,6 +264,10 @@ def _build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--text", action="append", default=[], metavar="FILE",
                      help="plain text to train on as well, in windows of 256 tokens (--head feature: 512, teacher-forced "
                           "with no decoding) (repeatable; training only, never held out)")
+    cal.add_argument("--extra-prompts", default=None, metavar="FILE",
+                     help="--head feature: more prompts (JSONL or text, like --prompts), decoded and trained on like "
+                          "them but never held out, so α is measured on the same held-out split as without them "
+                          "(e.g. scripts/synthetic_prompts.py's output)")
     cal.add_argument("--max-new-tokens", "-n", type=int, default=128,
                      help="tokens generated per prompt (default 128)")
     cal.add_argument("--exit-layer", "-k", type=int, action="append", default=None,
@@ -692,12 +696,20 @@ def _calibrate(args) -> int:
             raise FileNotFoundError(f"cannot read --text {path}: {err.strerror}") from None
     if args.train_vocab is not None and args.train_vocab < 1:
         raise ValueError(f"--train-vocab must be >= 1, got {args.train_vocab}")
+    extra = []
+    if args.extra_prompts is not None:
+        if args.head != "feature":
+            raise ValueError("--extra-prompts is for --head feature")
+        if not os.path.isfile(args.extra_prompts):
+            raise FileNotFoundError(f"cannot read --extra-prompts {args.extra_prompts}: no such file")
+        extra = [p.text for p in load_prompts(args.extra_prompts, 10**9)]
     model = _load(args, progress=not args.json)
     setup = dict(model=model.name, dtype=args.dtype, prompts=len(prompts),
                  prompt_source=args.prompts or "bundled calibration_train.jsonl", texts=len(texts),
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     if args.head == "feature":
-        return _calibrate_feature(args, model, prompts, setup, texts)
+        setup["extra_prompts"] = len(extra)
+        return _calibrate_feature(args, model, prompts, setup, texts, extra)
     if args.head == "context":
         from selfspec.context_calibrate import calibrate_context
 
@@ -744,7 +756,7 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _calibrate_feature(args, model, prompts: list[str], setup: dict, texts: list[str]) -> int:
+def _calibrate_feature(args, model, prompts: list[str], setup: dict, texts: list[str], extra: list[str]) -> int:
     from selfspec import feature_calibrate
 
     train_vocab = 8192 if args.train_vocab is None else args.train_vocab
@@ -752,7 +764,7 @@ def _calibrate_feature(args, model, prompts: list[str], setup: dict, texts: list
         raise ValueError("--samples and --noise must be >= 0")
     trained = feature_calibrate.calibrate_feature(
         model, prompts, max_new_tokens=args.max_new_tokens, samples=args.samples, noise=args.noise,
-        texts=texts, steps=args.steps, sequences=args.sequences,
+        texts=texts, extra_prompts=extra, steps=args.steps, sequences=args.sequences,
         positions=args.batch_size, lr=args.lr, width=args.width, heads=args.heads, draft_vocab=train_vocab,
         holdout=args.holdout, seed=args.seed, progress=not args.json, data_path=args.data)
     setup.update(head="feature", heads=args.heads, sequences=args.sequences, samples=args.samples, noise=args.noise,
@@ -762,6 +774,7 @@ def _calibrate_feature(args, model, prompts: list[str], setup: dict, texts: list
         print(json.dumps({"model": model.name, **setup, **trained.summary(), "path": str(path)}))
         return 0
     print(f"{model.name}, {model.dtype_name}; {len(prompts)} prompts × ≤{args.max_new_tokens} tokens"
+          + (f" + {len(extra)} extra prompts (training only)" if extra else "")
           + (f" + {len(texts)} text file(s)" if texts else "") + f"; "
           f"{trained.train_positions} training positions, {trained.held_out_positions} held-out output positions; "
           f"data {trained.data_seconds:.0f} s, training {trained.seconds:.0f} s ({args.steps} steps); "

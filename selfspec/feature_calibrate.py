@@ -49,6 +49,7 @@ class FeatureSequence:
     prompt: int = -1  # the prompt's index (the held-out split is by prompt); -1: its position in the data
     sampled: bool = False  # a sampled continuation (training only: α is measured on greedy ones)
     text: bool = False  # a window of plain text (--text): training only, never held out nor counted for the draft head
+    train_only: bool = False  # an --extra-prompts prompt and its output: training only, never held out
 
 
 @torch.inference_mode()
@@ -228,8 +229,8 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
     if min(steps, sequences, positions, draft_vocab) < 1 or not lr > 0:
         raise ValueError("steps, sequences, positions and draft_vocab must be >= 1 and the learning rate > 0")
     data = [x for x in data if x.ids.numel() > 2]
-    # each sequence's prompt, the unit of the held-out split; plain text has none, so it always trains
-    prompts = [None if x.text else x.prompt if x.prompt >= 0 else i for i, x in enumerate(data)]
+    # each sequence's prompt, the unit of the held-out split; plain text and extra prompts have none, so they train
+    prompts = [None if x.text or x.train_only else x.prompt if x.prompt >= 0 else i for i, x in enumerate(data)]
     names = sorted({p for p in prompts if p is not None})
     held = held_out_prompts(len(names), holdout, seed)
     held_names = {name for name, h in zip(names, held.tolist()) if h}
@@ -294,24 +295,37 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
 
 def calibrate_feature(model, prompts: list, *, max_new_tokens: int = 128, samples: int = 0,
                       temperature: float = 0.8, progress: bool = True, data_path=None, texts: list[str] = (),
-                      **training) -> FeatureTrained:
+                      extra_prompts: list = (), **training) -> FeatureTrained:
     """Make the data from `prompts` (text or token ids; `samples` sampled continuations each
-    besides the greedy one) and from plain `texts` (`text_data`: training only) and train a
-    feature head on it (`train_feature_head`'s options).
+    besides the greedy one), from `extra_prompts` (decoded alike, training only: the held-out
+    split stays the one `prompts` alone give) and from plain `texts` (`text_data`: training only)
+    and train a feature head on it (`train_feature_head`'s options).
     data_path: a file keeping the data (written after it is made; read instead of decoding again
     when it holds data made for this model from these prompts with these settings). Nothing else
     is saved: see `save`."""
     t0 = time.perf_counter()
-    encoded = [torch.as_tensor(model.encode(p) if isinstance(p, str) else p, dtype=torch.long) for p in prompts]
+    def encode(ps: list) -> list[torch.Tensor]:
+        return [torch.as_tensor(model.encode(p) if isinstance(p, str) else p, dtype=torch.long) for p in ps]
+
+    def digest(ids: list[torch.Tensor]) -> str:
+        return hashlib.sha256(b"".join(x.numpy().tobytes() + b"|" for x in ids)).hexdigest()
+
+    encoded, extra = encode(prompts), encode(extra_prompts)
     key = dict(identity=model.identity.slug(), dtype=str(model.adapter.dtype), max_new_tokens=max_new_tokens,
                samples=samples, temperature=temperature, seed=training.get("seed", 0),
-               prompts=hashlib.sha256(b"".join(ids.numpy().tobytes() + b"|" for ids in encoded)).hexdigest())
-    if texts:  # (a key without texts stays as it was, so data kept before --text still loads)
+               prompts=digest(encoded))
+    if texts:  # (a key without texts or extra prompts stays as it was, so data kept before them still loads)
         key["texts"] = hashlib.sha256("\x00".join(texts).encode()).hexdigest()
+    if extra:
+        key["extra_prompts"] = digest(extra)
     data = load_data(data_path, key) if data_path else None
     if data is None:
         data = feature_data(model, encoded, max_new_tokens, progress=progress, samples=samples,
                             temperature=temperature, seed=training.get("seed", 0))
+        for x in feature_data(model, extra, max_new_tokens, progress=progress, samples=samples,
+                              temperature=temperature, seed=training.get("seed", 0) + 1):
+            x.train_only = True
+            data.append(x)
         data += text_data(model, list(texts), progress=progress)
         if data_path:
             save_data(data_path, key, data)

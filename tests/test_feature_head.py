@@ -294,6 +294,27 @@ def test_plain_text_trains_but_is_never_held_out_nor_counted_for_the_draft_head(
     assert torch.equal(mixed.draft_ids, alone.draft_ids) and not set(range(1, 5)) & set(mixed.draft_ids.tolist())
 
 
+def test_extra_prompts_train_but_leave_the_held_out_split_as_it_was(tiny):
+    """--extra-prompts add training sequences only: the held-out prompts and their α before training
+    are those of the prompts alone, and the extra outputs' tokens count for the draft head."""
+    model = tiny("llama")
+    prompts = [torch.tensor([(7 * i + 3 * j) % 90 + 5 for j in range(6 + i % 5)]) for i in range(12)]
+    data = feature_data(model, prompts, 12, progress=False)
+    extra = feature_data(model, [torch.tensor([90 + j % 3 for j in range(30)]) for _ in range(4)], 8,
+                         progress=False)
+    for x in extra:
+        x.train_only = True
+    options = dict(steps=2, sequences=2, positions=16, heads=2, head_dim=16, draft_vocab=16, holdout=0.25,
+                   progress=False)
+    alone = train_feature_head(model.adapter, data, **options)
+    mixed = train_feature_head(model.adapter, data + extra, **options)
+    assert mixed.train_positions == alone.train_positions + sum(x.ids.numel() - 2 for x in extra)
+    assert mixed.held_out_positions == alone.held_out_positions
+    assert mixed.alpha_before == alone.alpha_before
+    assert {90, 91, 92} <= set(mixed.draft_ids.tolist())  # the extra prompts' most frequent tokens
+    assert not {90, 91, 92} & set(alone.draft_ids.tolist())
+
+
 def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch, capsys):
     import json
 
@@ -305,13 +326,17 @@ def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch,
     ckpt, prompts = tiny_checkpoint_with_prompts(tmp_path)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{i % 40}" for i in range(300)))
+    extra = tmp_path / "extra.txt"
+    extra.write_text("w3 w4 w5\nw7 w1 w2 w8\n")
     assert main(["calibrate", "--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", "4", "-n", "6",
                  "--steps", "3", "--batch-size", "8", "--sequences", "2", "--heads", "2", "--samples", "1",
                  "--noise", "0.1", "--train-vocab", "50", "--head", "feature", "--output", str(tmp_path / "cal"),
-                 "--holdout", "0.25", "--text", str(text)]) == 0
+                 "--holdout", "0.25", "--text", str(text), "--extra-prompts", str(extra)]) == 0
     out = capsys.readouterr().out
     assert "held out, after" in out and "feature-head: used by --method feature" in out and "+ 1 text file(s)" in out
+    assert "+ 2 extra prompts (training only)" in out
     head = next(p for p in (tmp_path / "cal").iterdir() if p.name.endswith(".feature.safetensors"))
     assert read_header(head)["draft_vocab"] == 50 and read_header(head)["training"]["samples"] == 1
+    assert read_header(head)["training"]["extra_prompts"] == 2
     assert main(["generate", "--model", str(ckpt), "--method", "feature", "-n", "8", "--json", "w5 w9 w12"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["method"] == "feature"
