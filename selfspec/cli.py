@@ -313,7 +313,8 @@ def _build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--data", default=None, metavar="FILE",
                      help="--head feature: keep the decoded training data in FILE and reuse it on a later run with "
                           "the same model, prompts, -n, --samples and --seed (decoding is most of the time; "
-                          "use it to try training settings)")
+                          "use it to try training settings); data made with --extra-prompts or --text also serves "
+                          "the same run without them")
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
 
     t = sub.add_parser("tune", help="find the fastest k and γ for this model on this machine; --method auto uses it",

@@ -351,10 +351,14 @@ def load_data(path, key: dict) -> list[FeatureSequence] | None:
     if not path.is_file():
         return None
     kept = torch.load(path, weights_only=True)
-    if kept.get("key") != key:
+    held = kept.get("key") or {}
+    # data made with more (--extra-prompts, --text) serves a run without them: those sequences are dropped
+    more = {name: flag for name, flag in (("extra_prompts", "train_only"), ("texts", "text")) if name in held}
+    if {k: v for k, v in held.items() if k not in more or k in key} != key:
         print(f"selfspec: {path} holds data made with other settings or prompts; decoding again", file=sys.stderr)
         return None
-    return [FeatureSequence(**x) for x in kept["data"]]
+    drop = [flag for name, flag in more.items() if name not in key]
+    return [FeatureSequence(**x) for x in kept["data"] if not any(x.get(flag) for flag in drop)]
 
 
 def save(trained: FeatureTrained, identity, directory=None, setup: dict | None = None):

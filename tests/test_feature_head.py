@@ -340,3 +340,24 @@ def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch,
     assert read_header(head)["training"]["extra_prompts"] == 2
     assert main(["generate", "--model", str(ckpt), "--method", "feature", "-n", "8", "--json", "w5 w9 w12"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["method"] == "feature"
+
+
+def test_kept_data_made_with_extra_prompts_serves_a_run_without_them(tmp_path):
+    """--data: a file made with --extra-prompts (or --text) loads for the same run without them,
+    less their sequences; any other difference in settings decodes again."""
+    from selfspec.feature_calibrate import FeatureSequence, load_data, save_data
+
+    def seq(**flags):
+        return FeatureSequence(torch.arange(4), 2, torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long),
+                               torch.zeros(4, 2), **flags)
+
+    key = dict(identity="m", prompts="abc", max_new_tokens=8)
+    path = tmp_path / "data.pt"
+    save_data(path, {**key, "extra_prompts": "x", "texts": "t"},
+              [seq(prompt=0), seq(prompt=1, train_only=True), seq(text=True)])
+    assert [x.prompt for x in load_data(path, key)] == [0]
+    assert [(x.train_only, x.text) for x in load_data(path, {**key, "extra_prompts": "x"})] == [(False, False),
+                                                                                             (True, False)]
+    assert len(load_data(path, {**key, "extra_prompts": "x", "texts": "t"})) == 3
+    assert load_data(path, {**key, "extra_prompts": "y"}) is None
+    assert load_data(path, {**key, "max_new_tokens": 9}) is None
