@@ -133,13 +133,27 @@ static float* scores(long len) {
     return buf.data();
 }
 
-// Scores s [len] with maximum m -> e^(s - m) in place; returns their sum (one fixed order).
+// Scores s [len] with maximum m -> e^(s - m) in place; returns their sum, in one order fixed by len
+// alone: lane l of 8 adds keys l, l + 8, l + 16, ... (a tail's missing keys add 0), then hsum.
+// (A scalar running sum was a chain of len dependent adds, a fifth of the attention's time.)
 static float softmax_weights(float* s, long len, float m) {
-    for (long j = 0; j < len; j++) s[j] -= m;
-    exp_inplace(s, len);
-    float sum = 0.0f;
-    for (long j = 0; j < len; j++) sum += s[j];
-    return sum;
+    const __m256 m8 = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (j < len) {
+        float t[8] = {0};
+        for (long i = j; i < len; i++) t[i - j] = s[i];
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(t), m8));
+        _mm256_storeu_ps(t, e);
+        for (long i = 0; i < 8; i++) (j + i < len ? s[j + i] : t[i]) = j + i < len ? t[i] : 0.0f;
+        sum = _mm256_add_ps(sum, _mm256_loadu_ps(t));
+    }
+    return hsum(sum);
 }
 
 // One query row of one head against keys lo..p of its KV head, the last of them read from slot
