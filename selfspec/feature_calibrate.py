@@ -220,12 +220,13 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
                        positions: int = 256, lr: float = 3e-3, weight_decay: float = 0.01, regression: float = 1.0,
                        width: int | None = None, heads: int = 4, head_dim: int = 64, draft_vocab: int = 8192,
                        holdout: float = 0.1, seed: int = 0, eval_every: int = 0, window: int = 512,
-                       noise: float = 0.0, progress: bool = True) -> FeatureTrained:
+                       noise: float = 0.0, parts: int = 1, progress: bool = True) -> FeatureTrained:
     """Fit a new feature head on `data` (sequences of one model); see the module docstring. A
     step trains on `sequences` windows of at most `window` consecutive positions (the head's
     attention sees those), `positions` examples drawn among them. noise: Gaussian noise of this
     many RMS units added to the previous-state inputs (EAGLE's remedy for drafting on its own,
-    imperfect predictions)."""
+    imperfect predictions). parts: the data's `final` holds that many layers' states side by side,
+    h_L last (FeatureHead's fused inputs; an experiment)."""
     if min(steps, sequences, positions, draft_vocab) < 1 or not lr > 0:
         raise ValueError("steps, sequences, positions and draft_vocab must be >= 1 and the learning rate > 0")
     data = [x for x in data if x.ids.numel() > 2]
@@ -249,9 +250,9 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
         return embedding(ids.to(adapter.device)).float().cpu()
 
     batches = Batches(data, embed)
-    hidden = data[0].final.shape[1]
+    hidden = data[0].final.shape[1] // parts
     torch.manual_seed(seed)
-    head = FeatureHead(hidden, adapter.n_layers, heads, head_dim, width)
+    head = FeatureHead(hidden, adapter.n_layers, heads, head_dim, width, parts=parts)
     t0 = time.perf_counter()
     before = alpha_by_position([torch.tensor(drafted_runs(head, student, batches, held_out))], DEPTH)
     optimizer, schedule = adamw_cosine(head.parameters(), steps, lr, weight_decay)
@@ -276,7 +277,7 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
         rows = [(data[s], where[r] + starts[r]) for r, s in enumerate(chosen)]
         ids, logp = student.teacher(torch.cat([x.teacher_ids[w] for x, w in rows]),
                                     torch.cat([x.teacher_logp[w] for x, w in rows]))
-        true = torch.cat([x.final[w].float() for x, w in rows])
+        true = torch.cat([x.final[w, -hidden:].float() for x, w in rows])
         loss = distill_loss(student.logits(predicted), ids, logp).mean()
         loss = loss + regression * F.smooth_l1_loss(_rms(predicted), _rms(true))
         loss_avg = descend(optimizer, schedule, loss, loss_avg)

@@ -55,9 +55,18 @@ class FeatureHead(torch.nn.Module):
     """(previous final states, token embeddings) of a context -> predicted final states."""
 
     def __init__(self, hidden_size: int, n_layers: int, heads: int = 4, head_dim: int = 64,
-                 width: int | None = None, eps: float = 1e-6, rope_theta: float = 10000.0):
+                 width: int | None = None, eps: float = 1e-6, rope_theta: float = 10000.0, parts: int = 1):
         super().__init__()
-        self.hidden_size, self.n_layers = hidden_size, n_layers
+        self.hidden_size, self.n_layers, self.parts = hidden_size, n_layers, parts
+        if parts > 1:
+            # EAGLE-3's fused features (an experiment, training side only): a committed position's
+            # previous state is `parts` layers' states [.., parts·d] (h_L last), each normalised, then
+            # projected to d; started as "take h_L". Drafted positions still pass the head's own f.
+            self.part_norms = torch.nn.ModuleList(torch.nn.RMSNorm(hidden_size, eps=eps) for _ in range(parts))
+            self.fuse = torch.nn.Linear(parts * hidden_size, hidden_size, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -hidden_size:] = torch.eye(hidden_size)
         self.feature_norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         self.token_norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         self.fc = torch.nn.Linear(2 * hidden_size, hidden_size, bias=False)
@@ -70,6 +79,9 @@ class FeatureHead(torch.nn.Module):
     def inputs(self, previous: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """s: previous [..., T, d] (h_L of the position before each; zeros before position 0) and
         embedded [..., T, d] (the model's embedding of each position's token) -> [..., T, d]."""
+        if self.parts > 1 and previous.shape[-1] == self.parts * self.hidden_size:
+            pieces = previous.split(self.hidden_size, dim=-1)
+            previous = self.fuse(torch.cat([n(x) for n, x in zip(self.part_norms, pieces)], dim=-1))
         return project(torch.cat([self.feature_norm(previous), self.token_norm(embedded)], dim=-1), self.fc.weight)
 
     def forward(self, previous: torch.Tensor, embedded: torch.Tensor,
@@ -148,6 +160,8 @@ def save_feature_head(head: FeatureHead, path: str | Path, identity: ModelIdenti
                       training: dict | None = None) -> Path:
     """Write the head's weights (float32), the pruned draft head's token ids (most frequent first)
     and the header, atomically; `training`: a summary kept in the header."""
+    if head.parts > 1:
+        raise ValueError("a feature head with fused multi-layer inputs is an experiment: the drafter cannot run it")
     b = head.block
     header = dict(format=FORMAT, identity=asdict(identity), n_layers=head.n_layers, hidden_size=head.hidden_size,
                   width=b.width, heads=b.heads, head_dim=b.head_dim, rope_theta=b.rope_theta, dtype="float32",

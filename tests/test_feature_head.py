@@ -361,3 +361,27 @@ def test_kept_data_made_with_extra_prompts_serves_a_run_without_them(tmp_path):
     assert len(load_data(path, {**key, "extra_prompts": "x", "texts": "t"})) == 3
     assert load_data(path, {**key, "extra_prompts": "y"}) is None
     assert load_data(path, {**key, "max_new_tokens": 9}) is None
+
+
+def test_fused_multilayer_inputs_train_and_start_as_the_plain_head(tiny):
+    """parts = 2 (EAGLE-3's fused features, an experiment): the head starts as "take h_L", so its α
+    before training is the plain head's; it trains; and it is refused by save (no drafter runs it)."""
+    from selfspec.feature_head import FeatureHead, save_feature_head
+
+    model = tiny("llama")
+    prompts = [torch.tensor([(7 * i + 3 * j) % 90 + 5 for j in range(6 + i % 5)]) for i in range(12)]
+    data = feature_data(model, prompts, 12, progress=False)
+    options = dict(steps=2, sequences=2, positions=16, heads=2, head_dim=16, draft_vocab=16, holdout=0.25,
+                   progress=False)
+    plain = train_feature_head(model.adapter, data, **options)
+    for x in data:
+        x.final = torch.cat([torch.randn_like(x.final), x.final], dim=-1)
+    fused = train_feature_head(model.adapter, data, parts=2, **options)
+    assert fused.alpha_before == plain.alpha_before and fused.held_out_positions == plain.held_out_positions
+    d = plain.head.hidden_size
+    assert fused.head.n_params == plain.head.n_params + 2 * d * d + 2 * d
+    with pytest.raises(ValueError, match="experiment"):
+        save_feature_head(fused.head, "unused.safetensors", model.identity, fused.draft_ids)
+    head = FeatureHead(32, 2, 2, 16, parts=2)
+    previous, embedded = torch.randn(1, 3, 64), torch.randn(1, 3, 32)
+    assert torch.allclose(head.inputs(previous, embedded), head.inputs(previous[..., 32:], embedded), atol=1e-5)
