@@ -58,19 +58,20 @@ class FeatureHead(torch.nn.Module):
                  width: int | None = None, eps: float = 1e-6, rope_theta: float = 10000.0, parts: int = 1):
         super().__init__()
         self.hidden_size, self.n_layers, self.parts = hidden_size, n_layers, parts
+        self.feature_norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        self.token_norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        self.fc = torch.nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.block = ContextHead(hidden_size, n_layers, heads, head_dim, width, eps, rope_theta)
         if parts > 1:
             # EAGLE-3's fused features (an experiment, training side only): a committed position's
             # previous state is `parts` layers' states [.., parts·d] (h_L last), each normalised, then
-            # projected to d; started as "take h_L". Drafted positions still pass the head's own f.
+            # projected to d; started as "take h_L" and made last, so the other weights are the plain
+            # head's for the same seed. Drafted positions still pass the head's own f.
             self.part_norms = torch.nn.ModuleList(torch.nn.RMSNorm(hidden_size, eps=eps) for _ in range(parts))
             self.fuse = torch.nn.Linear(parts * hidden_size, hidden_size, bias=False)
             with torch.no_grad():
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, -hidden_size:] = torch.eye(hidden_size)
-        self.feature_norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        self.token_norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        self.fc = torch.nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.block = ContextHead(hidden_size, n_layers, heads, head_dim, width, eps, rope_theta)
 
     @property
     def n_params(self) -> int:
