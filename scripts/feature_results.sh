@@ -32,3 +32,13 @@ $B --method auto --temperature 1.0 --seed 0 --json $R/sampling/auto_t1.0_subset_
 .venv/bin/python -c "while True: pass" & BUSY=$!
 .venv/bin/selfspec bench -n 64 --method auto --no-hf --json $R/bench_auto_busy.json --markdown $R/bench_auto_busy.md
 kill $BUSY
+# A later stop (Intel Xeon without AMX; results/intel_noamx/): 776 distinct synthetic chat prompts as
+# training-only data, a 2x head on the same data, and EAGLE-3's fused inputs (training side only).
+N=results/intel_noamx
+.venv/bin/python scripts/synthetic_prompts.py -o /tmp/synthetic.jsonl -n 800
+C=".venv/bin/selfspec calibrate --head feature --prompts /tmp/feature_prompts.jsonl --num-prompts 438 -n 128 --threads 2"
+SELFSPEC_PROFILES=/tmp/feature_profiles $C --extra-prompts /tmp/synthetic.jsonl --data /tmp/fdata_synth.pt \
+  --output /tmp/synth_head > $N/calibrate_synthetic.out
+SELFSPEC_PROFILES=/tmp/feature_profiles $C --extra-prompts /tmp/synthetic.jsonl --data /tmp/fdata_synth.pt \
+  --heads 9 --width 1536 --output /tmp/big_head > $N/calibrate_synthetic_big.out
+.venv/bin/python scripts/feature_multilayer.py /tmp/fdata_synth.pt --layers 3 15 > $N/feature_multilayer.out
