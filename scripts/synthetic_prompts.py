@@ -203,7 +203,10 @@ def main() -> None:
     counts = {k: round(v * args.n) for k, v in shares.items()}
     counts["mt"] = args.n - sum(counts.values())
     prompts: dict[str, list[str]] = {}
-    add = lambda kind, text: prompts.setdefault(kind, []).append(text)  # noqa: E731
+
+    def add(kind: str, text: str) -> None:
+        prompts.setdefault(kind, []).append(text)
+
     for sentence in rng.sample(german, min(counts["translation"], len(german))):
         add("translation", f"Translate German to English: {sentence}")
     pool = iter(texts)

@@ -304,13 +304,13 @@ def calibrate_feature(model, prompts: list, *, max_new_tokens: int = 128, sample
     data_path: a file keeping the data (written after it is made; read instead of decoding again
     when it holds data made for this model from these prompts with these settings). Nothing else
     is saved: see `save`."""
-    t0 = time.perf_counter()
     def encode(ps: list) -> list[torch.Tensor]:
         return [torch.as_tensor(model.encode(p) if isinstance(p, str) else p, dtype=torch.long) for p in ps]
 
     def digest(ids: list[torch.Tensor]) -> str:
         return hashlib.sha256(b"".join(x.numpy().tobytes() + b"|" for x in ids)).hexdigest()
 
+    t0 = time.perf_counter()
     encoded, extra = encode(prompts), encode(extra_prompts)
     key = dict(identity=model.identity.slug(), dtype=str(model.adapter.dtype), max_new_tokens=max_new_tokens,
                samples=samples, temperature=temperature, seed=training.get("seed", 0),

@@ -66,17 +66,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-static void exp_inplace(float* x, long n) {  // the tail through a padded vector: same per element
-    long i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
-    if (i < n) {
-        float t[8] = {0};
-        for (long j = i; j < n; j++) t[j - i] = x[j];
-        _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
-        for (long j = i; j < n; j++) x[j] = t[j - i];
-    }
-}
-
 // RMSNorm of one row x [dim] (dim % 8 == 0) into out: Llama's (statistics in float32, normalised
 // row rounded to E, times w in E), or with gemma, (1 + w) applied in float32 and rounded once.
 template <typename E>
@@ -135,7 +124,8 @@ static float* scores(long len) {
 
 // Scores s [len] with maximum m -> e^(s - m) in place; returns their sum, in one order fixed by len
 // alone: lane l of 8 adds keys l, l + 8, l + 16, ... (a tail's missing keys add 0), then hsum.
-// (A scalar running sum was a chain of len dependent adds, a fifth of the attention's time.)
+// (A scalar running sum is a chain of len dependent adds.) A tail goes through a zero-padded vector,
+// the same per element as a full one.
 static float softmax_weights(float* s, long len, float m) {
     const __m256 m8 = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
@@ -147,10 +137,11 @@ static float softmax_weights(float* s, long len, float m) {
     }
     if (j < len) {
         float t[8] = {0};
-        for (long i = j; i < len; i++) t[i - j] = s[i];
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(t), m8));
-        _mm256_storeu_ps(t, e);
-        for (long i = 0; i < 8; i++) (j + i < len ? s[j + i] : t[i]) = j + i < len ? t[i] : 0.0f;
+        const long rest = len - j;
+        memcpy(t, s + j, rest * sizeof(float));
+        _mm256_storeu_ps(t, exp8(_mm256_sub_ps(_mm256_loadu_ps(t), m8)));
+        memcpy(s + j, t, rest * sizeof(float));
+        for (long i = rest; i < 8; i++) t[i] = 0.0f;  // missing keys add 0
         sum = _mm256_add_ps(sum, _mm256_loadu_ps(t));
     }
     return hsum(sum);
