@@ -101,7 +101,8 @@ def _build() -> ctypes.CDLL | None:
     # SELFSPEC_GEMV=avx2 keeps AVX2 throughout and SELFSPEC_GEMV=pairs leaves AMX out (the tests
     # check every path the machine has).
     path = kernel_path()
-    flags = FLAGS + (["-mavx512f", "-mavx512bf16", f"-DPREFETCH={_prefetch()}"] if path in ("pairs", "amx") else [])
+    flags = FLAGS + [f"-DPREFETCH={_prefetch()}"]
+    flags += ["-mavx512f", "-mavx512bf16"] if path in ("pairs", "amx") else []
     flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []
     sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
     text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])

@@ -101,3 +101,16 @@ def shipped_choice(identity: ModelIdentity, dtype: str | None) -> dict | None:
 
     table = json.loads(resources.files("selfspec").joinpath("data/shipped_profiles.json").read_text())
     return table.get(identity.slug(), {}).get(dtype or "")
+
+
+def runs_here(choice: dict) -> bool:
+    """Whether a shipped choice applies on this machine. An entry that names "kernel_paths" was
+    measured faster than plain decoding only where selfspec's product kernel runs one of those
+    paths (selfspec.gemv.kernel_path): on a CPU with AVX2 only, a bfloat16 verify over 2 rows
+    costs ~1.15 steps and the shipped hybrid ran 0.99x AR (README, "A fourth CPU")."""
+    paths = choice.get("kernel_paths")
+    if paths is None:
+        return True
+    from selfspec import gemv
+
+    return gemv.available() and gemv.kernel_path() in paths

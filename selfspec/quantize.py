@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from selfspec import wide_product
+
 # The activation dtype int8 weights run with: the kernel takes bfloat16 or float32 inputs, and
 # bfloat16 keeps the activations' bytes small too.
 ACTIVATION_DTYPE = torch.bfloat16
@@ -50,7 +52,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
         # A prefill: PyTorch's int8 kernel takes 24 ms for 1,000 rows of SmolLM2's gate/up where
         # dequantizing and a bfloat16 GEMM take 10 (scripts/kernel_timings.py, 2-core AMD EPYC).
         # AR and speculation prefill alike.
-        y = (rows @ weight.to(x.dtype).t()) * scale
+        # Where bfloat16 is emulated (AVX2 only) the GEMM runs in float32 (selfspec.wide_product).
+        y = wide_product.linear(rows, weight.to(x.dtype)) * scale
     else:
         y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scale)
     y = y.view(*shape[:-1], weight.shape[0])

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec import fused_layer, gemv
+from selfspec import fused_layer, gemv, wide_product
 from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, int4_linear, int8_linear
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -248,7 +248,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shap
         return (int4_linear if w.dtype == torch.uint8 else int8_linear)(x, w, scales[i], bias)
     if transposed:
         return x @ w if bias is None else torch.addmm(bias, x, w)
-    return F.linear(x, w, bias)
+    return wide_product.linear(x, w, bias)
 
 
 def layer_forward(

@@ -202,12 +202,14 @@ def test_gemma3_default_bfloat16_exact_drafters_equal_ar():
 def test_shipped_choice_matches_the_bundled_model_as_loaded():
     """The shipped profile is keyed by the identity the bundled model has when loaded: a change to
     the conversion (config hash) must not silently drop it."""
-    from selfspec.profiles import shipped_choice
+    from selfspec.profiles import runs_here, shipped_choice
 
     model = selfspec.load("smollm2", dtype="bfloat16", progress=False)
     shipped = shipped_choice(model.identity, model.dtype_name)
+    assert shipped is not None
     out = model.generate(PROMPTS[0], max_new_tokens=16)  # auto, no profile here: the shipped choice
-    assert out.stats.method == shipped["method"]
+    # (plain decoding on CPUs whose kernel path the entry was not measured on: AVX2 only)
+    assert out.stats.method == (shipped["method"] if runs_here(shipped) else "ar")
 
 
 def test_shipped_feature_head_drafts_for_the_bundled_model(smollm2):

@@ -181,6 +181,31 @@ def test_auto_uses_the_shipped_choice_only_for_its_dtype(tiny, monkeypatch):
     assert model.generate(REPETITIVE, max_new_tokens=8).stats.method == "ar"
 
 
+def test_a_shipped_choice_for_other_kernel_paths_runs_plain_decoding(tiny, monkeypatch):
+    """A shipped entry that names kernel_paths applies only where the product kernel runs one of
+    them: on another path (an AVX2-only CPU) `auto` runs plain decoding and says why."""
+    import selfspec.api
+    from selfspec import gemv, profiles
+
+    model = tiny("llama")
+    model.name = "shipped-tiny-llama-paths"
+    choice = {"method": "lookup", "exit_layer": None, "draft_len": 2, "measured": "a test",
+              "kernel_paths": ["pairs", "amx"]}
+    monkeypatch.setattr(selfspec.api, "shipped_choice", lambda identity, dtype: choice)
+    monkeypatch.setattr(gemv, "available", lambda: True)
+    monkeypatch.setattr(gemv, "kernel_path", lambda: "avx2")
+    assert not profiles.runs_here(choice)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(REPETITIVE, max_new_tokens=8)
+    assert out.stats.method == "ar"
+    assert any("measured faster only where selfspec's products run pairs or amx" in str(w.message) for w in caught)
+    monkeypatch.setattr(gemv, "kernel_path", lambda: "amx")
+    assert profiles.runs_here(choice)
+    assert model.generate(REPETITIVE, max_new_tokens=8).stats.method == "lookup"
+    assert profiles.runs_here({k: v for k, v in choice.items() if k != "kernel_paths"})
+
+
 def test_the_shipped_file_names_the_bundled_model():
     from selfspec.profiles import ModelIdentity, shipped_choice
 

@@ -50,6 +50,13 @@ static inline float hsum(__m256 v) {  // one fixed order
     return _mm_cvtss_f32(s);
 }
 
+// PREFETCH: how many weight elements ahead each pass asks for the next cache lines (0: none). The
+// build sets it for Intel CPUs (selfspec/gemv.py), whose hardware prefetch alone left a 2-core
+// Xeon's product kernel at ~13 GB/s against a 26 GB/s streamed read; it does not change a result.
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
+
 // Output rows j0..j1 for R input rows; X is x in float32 [R, K].
 template <typename T, typename E, int R>
 static void rows(const T* W, const float* X, const uint16_t* scale, const E* bias, E* Y, long j0, long j1, long K,
@@ -61,6 +68,9 @@ static void rows(const T* W, const float* X, const uint16_t* scale, const E* bia
             for (int u = 0; u < 4; u++) a[r][u] = _mm256_setzero_ps();
         long k = 0;
         for (; k + 32 <= K; k += 32) {
+#if PREFETCH
+            for (unsigned b = 0; b < 32 * sizeof(T); b += 64) _mm_prefetch((const char*)(w + k + PREFETCH) + b, _MM_HINT_T0);
+#endif
             __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
             for (int r = 0; r < R; r++) {
                 const float* x = X + r * K + k;
@@ -97,12 +107,6 @@ static inline __m512bh load32(const int8_t* p) {
     return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0-15 from lo, 16-31 from hi
 }
 
-// PREFETCH: how many weight elements ahead each pass asks for the next cache lines (0: none). The
-// build sets it for Intel CPUs (selfspec/gemv.py), whose hardware prefetch alone left a 2-core
-// Xeon's product kernel at ~13 GB/s against a 26 GB/s streamed read; it does not change a result.
-#ifndef PREFETCH
-#define PREFETCH 0
-#endif
 template <typename T, int R>
 static void rows_pairs(const T* W, const uint16_t* x, const uint16_t* scale, const uint16_t* bias, uint16_t* Y,
                        long j0, long j1, long K, long N) {
