@@ -71,7 +71,18 @@ static void rows(const T* W, const float* X, const uint16_t* scale, const E* bia
 #if PREFETCH
             for (unsigned b = 0; b < 32 * sizeof(T); b += 64) _mm_prefetch((const char*)(w + k + PREFETCH) + b, _MM_HINT_T0);
 #endif
-            __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
+            __m256 w0, w1, w2, w3;
+            if constexpr (std::is_same<T, uint16_t>::value) {
+                // 16 bfloat16 in one load: its even elements are its 32-bit lanes shifted up, its odd ones the
+                // lanes' high halves (X holds each 16-block as its 8 even then its 8 odd elements; see product4)
+                const __m256i u0 = _mm256_loadu_si256((const __m256i*)(w + k));
+                const __m256i u1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
+                const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+                w0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16)), w1 = _mm256_castsi256_ps(_mm256_and_si256(u0, high));
+                w2 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16)), w3 = _mm256_castsi256_ps(_mm256_and_si256(u1, high));
+            } else {
+                w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
+            }
             for (int r = 0; r < R; r++) {
                 const float* x = X + r * K + k;
                 a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a[r][0]);
@@ -285,7 +296,16 @@ static void product4(const T* W, const E* x, const uint16_t* scale, const E* bia
     if constexpr (std::is_same<E, float>::value) {
         X = (float*)x;  // already float32
     } else if constexpr (!pairs) {
-        for (long i = 0; i < R * K; i++) X[i] = bf16_to_float(x[i]);
+        // bfloat16 weights: each 16-block of x's 32-blocks as its 8 even then its 8 odd elements (the order
+        // rows() widens the weights in); the K % 32 tail and int8 weights' x in order
+        const long K32 = std::is_same<T, uint16_t>::value ? K / 32 * 32 : 0;
+        for (long r = 0; r < R; r++) {
+            const E* xr = x + r * K;
+            float* Xr = X + r * K;
+            for (long b = 0; b < K32; b += 16)
+                for (int i = 0; i < 8; i++) Xr[b + i] = bf16_to_float(xr[b + 2 * i]), Xr[b + 8 + i] = bf16_to_float(xr[b + 2 * i + 1]);
+            for (long i = K32; i < K; i++) Xr[i] = bf16_to_float(xr[i]);
+        }
     }
     const long chunk = 16;  // output rows per task
     const long tasks = (N + chunk - 1) / chunk;
