@@ -22,3 +22,6 @@ done; done > $R/prefetch_ab.out
 # and kernels/product.h as it was before it ("before"), interleaved twice.
 .venv/bin/python scripts/step_costs.py --dtype bfloat16 --mode eager --repeats 5 --markdown $R/step_costs_evenodd.md
 $B --dtype bfloat16 --method hybrid,feature,lookup -g 1 --json $R/bench_bf16_evenodd.json --markdown $R/bench_bf16_evenodd.md
+# Do the other shipped choices still beat AR here? int4 (hybrid) and Gemma 3 (lookup):
+$B --dtype int4 --method auto -g 1 --json $R/bench_int4_auto.json --markdown $R/bench_int4_auto.md
+$B --model gemma3 --dtype bfloat16 --method auto -g 3 --json $R/bench_gemma3_auto.json --markdown $R/bench_gemma3_auto.md
