@@ -282,8 +282,10 @@ class SelfSpecModel:
                 return "early-exit", exit_layer, draft_len
             shipped = shipped_choice(self.identity, self.dtype_name)
             if shipped is not None and not runs_here(shipped):
+                paths = " or ".join(KERNEL_PATH_NAMES.get(path, path) for path in shipped["kernel_paths"])
                 choice = (f"plain decoding (the shipped {shipped['method']} for {self.dtype_name} was measured faster "
-                          f"only where selfspec's products run {' or '.join(shipped['kernel_paths'])} instructions)")
+                          f"only on CPUs with {paths}; this one's products run on "
+                          f"{KERNEL_PATH_NAMES[gemv.kernel_path()] if gemv.available() else 'PyTorch kernels'})")
                 shipped = None
             else:
                 choice = ("plain decoding" if shipped is None else
@@ -448,6 +450,9 @@ def check_exact_draft(draft_len: int) -> None:
     if draft_len + 1 > EXACT_ROWS:
         raise ValueError(f"exact mode runs every forward in {EXACT_ROWS} rows: the draft length must be at most "
                          f"{EXACT_ROWS - 1}, got {draft_len} (lower -g, or turn exact mode off: --no-exact / exact=False)")
+
+
+KERNEL_PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx2": "AVX2"}  # selfspec.gemv.kernel_path()
 
 
 def default_dtype(device: str = "cpu") -> str:
