@@ -25,3 +25,6 @@ $B --dtype bfloat16 --method hybrid,feature,lookup -g 1 --json $R/bench_bf16_eve
 # Do the other shipped choices still beat AR here? int4 (hybrid) and Gemma 3 (lookup):
 $B --dtype int4 --method auto -g 1 --json $R/bench_int4_auto.json --markdown $R/bench_int4_auto.md
 $B --model gemma3 --dtype bfloat16 --method auto -g 3 --json $R/bench_gemma3_auto.json --markdown $R/bench_gemma3_auto.md
+# What tune picks here (its 6 calibration prompts; a scratch profile dir), then that choice on the bench prompts:
+SELFSPEC_PROFILES=/tmp/ssprof .venv/bin/selfspec tune -g 3 --threads 2 > $R/tune.out 2>&1
+$B --dtype bfloat16 --method hybrid -g 2 --json $R/bench_bf16_hybrid_g2.json --markdown $R/bench_bf16_hybrid_g2.md
