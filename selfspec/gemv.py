@@ -43,15 +43,16 @@ _STATE: dict = {}
 _LOCAL = threading.local()  # each thread's float32 copy of x (the server decodes on worker threads)
 
 
-PREFETCH = 1024  # weight elements ahead (kernels/product.h), on Intel CPUs only
+PREFETCH = 1024  # weight elements ahead (kernels/product.h), on Intel CPUs only by default
 
 
 def _prefetch() -> int:
-    """How far ahead the bfloat16 pair products prefetch weights: $SELFSPEC_PREFETCH, else
+    """How far ahead the products prefetch weights (the AVX2 and the pair paths): $SELFSPEC_PREFETCH, else
     PREFETCH on Intel CPUs and 0 (none) elsewhere. On a 2-core Intel Xeon (AVX512-BF16, AMX) it
     took SmolLM2's fused bfloat16 step from 17.4-19.4 to 15.4-15.6 ms and a 3-row verify from
     22.3-25.1 to 17.8-18.1 ms (scripts/prefetch_ab.sh, results/intel/prefetch_ab.out); the AMD EPYC
     the kernel was tuned on streamed near its read rate without it, and is left as it was.
+    On the AVX2-only AMD EPYC it gave no consistent gain (results/amd_avx2/prefetch_ab.out).
     Results are bit-identical either way (prefetches change no arithmetic)."""
     value = os.environ.get("SELFSPEC_PREFETCH", "").strip()
     if value:
