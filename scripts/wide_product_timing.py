@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from selfspec import wide_product
+from selfspec import gemv
 
 
 def ms(f, n: int = 5) -> float:
@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n = args.rows
-    print(f"native bfloat16: {wide_product.native_bfloat16()}, {args.threads} threads, {n} rows, torch {torch.__version__}")
+    print(f"native bfloat16: {gemv.native_bfloat16()}, {args.threads} threads, {n} rows, torch {torch.__version__}")
     for dt in (torch.bfloat16, torch.float32):
         x, w = torch.randn(n, 576, dtype=dt), torch.randn(3072, 576, dtype=dt)
         q, k = torch.randn(1, 9, n, 64, dtype=dt), torch.randn(1, 3, n, 64, dtype=dt)

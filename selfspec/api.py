@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec import gemv, wide_product
+from selfspec import gemv
 from selfspec.adapter import ModelAdapter
 from selfspec.drafters import Drafter, make_drafter
 from selfspec.engine import check_length, decode
@@ -282,10 +282,10 @@ class SelfSpecModel:
                 return "early-exit", exit_layer, draft_len
             shipped = shipped_choice(self.identity, self.dtype_name)
             if shipped is not None and not runs_here(shipped):
-                paths = " or ".join(KERNEL_PATH_NAMES.get(path, path) for path in shipped["kernel_paths"])
+                paths = " or ".join(gemv.PATH_NAMES.get(path, path) for path in shipped["kernel_paths"])
                 choice = (f"plain decoding (the shipped {shipped['method']} for {self.dtype_name} was measured faster "
                           f"only on CPUs with {paths}; this one's products run on "
-                          f"{KERNEL_PATH_NAMES[gemv.kernel_path()] if gemv.available() else 'PyTorch kernels'})")
+                          f"{gemv.PATH_NAMES[gemv.kernel_path()] if gemv.available() else 'PyTorch kernels'})")
                 shipped = None
             else:
                 choice = ("plain decoding" if shipped is None else
@@ -452,9 +452,6 @@ def check_exact_draft(draft_len: int) -> None:
                          f"{EXACT_ROWS - 1}, got {draft_len} (lower -g, or turn exact mode off: --no-exact / exact=False)")
 
 
-KERNEL_PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx2": "AVX2"}  # selfspec.gemv.kernel_path()
-
-
 def default_dtype(device: str = "cpu") -> str:
     """bfloat16 on CUDA, on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), and where
     selfspec's own product kernel runs (x86 with AVX2 and g++): a step reads half float32's bytes,
@@ -464,7 +461,7 @@ def default_dtype(device: str = "cpu") -> str:
     emulated bfloat16 products are slow)."""
     if torch.device(device).type == "cuda":
         return "bfloat16"
-    return "bfloat16" if wide_product.native_bfloat16() or gemv.available() else "float32"
+    return "bfloat16" if gemv.native_bfloat16() or gemv.available() else "float32"
 
 
 def default_exact(dtype: str) -> bool:

@@ -75,6 +75,15 @@ def _cpu_flags() -> set[str]:
     return set(_cpuinfo("flags"))
 
 
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx2": "AVX2"}  # kernel_path()'s values, as CPU features
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX)."""
+    return bool(NATIVE_BF16_FLAGS & _cpu_flags())
+
+
 def kernel_path() -> str:
     """The products' instruction path on this machine: "amx" (AMX tiles, bfloat16 and int8
     weights), "pairs" (AVX512-BF16 pair dot products) or "avx2"; $SELFSPEC_GEMV=pairs or avx2

@@ -53,7 +53,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
         # dequantizing and a bfloat16 GEMM take 10 (scripts/kernel_timings.py, 2-core AMD EPYC).
         # AR and speculation prefill alike.
         # Where bfloat16 is emulated (AVX2 only) the GEMM runs in float32 (selfspec.wide_product).
-        y = wide_product.linear(rows, weight.to(x.dtype)) * scale
+        y = wide_product.linear(rows, weight) * scale
     else:
         y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scale)
     y = y.view(*shape[:-1], weight.shape[0])

@@ -11,31 +11,24 @@ own kernel (selfspec/gemv.py) and never come here on the fast path.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-NATIVE_FLAGS = {"avx512_bf16", "amx_bf16"}
+from selfspec import gemv
 
-
-@functools.cache
-def native_bfloat16() -> bool:
-    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX)."""
-    try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return bool(NATIVE_FLAGS & set(flags))
+WIDE_ROWS = 32  # from this many rows a product widens: a prefill's, not a step's (widening copies W)
 
 
 def widen(x: torch.Tensor) -> bool:
-    """Whether a product with x as its input rows should run in float32 on this machine."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bfloat16()
+    """Whether a product with x as its input rows should run in float32 on this machine: bfloat16
+    rows, at least WIDE_ROWS of them, on a CPU without native bfloat16."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() >= WIDE_ROWS * x.shape[-1]
+            and not gemv.native_bfloat16())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias), through float32 where bfloat16 products are emulated (see above)."""
+    """F.linear(x, w, bias) with w in x's dtype (int8 weights widen exactly), through float32
+    where bfloat16 products are emulated (see above)."""
     if not widen(x):
-        return F.linear(x, w, bias)
+        return F.linear(x, w.to(x.dtype), bias)
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
