@@ -28,3 +28,7 @@ $B --model gemma3 --dtype bfloat16 --method auto -g 3 --json $R/bench_gemma3_aut
 # What tune picks here (its 6 calibration prompts; a scratch profile dir), then that choice on the bench prompts:
 SELFSPEC_PROFILES=/tmp/ssprof .venv/bin/selfspec tune -g 3 --threads 2 > $R/tune.out 2>&1
 $B --dtype bfloat16 --method hybrid -g 2 --json $R/bench_bf16_hybrid_g2.json --markdown $R/bench_bf16_hybrid_g2.md
+# A busy neighbour: one python busy loop beside a bench with no --threads (selfspec picks the free cores).
+python3 -c "while True: pass" & BUSY=$!
+.venv/bin/selfspec bench -n 64 --no-hf --method auto --json $R/bench_auto_busy.json --markdown $R/bench_auto_busy.md
+kill $BUSY
