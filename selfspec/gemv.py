@@ -76,7 +76,7 @@ def _cpu_flags() -> set[str]:
 
 
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
-PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx2": "AVX2"}  # kernel_path()'s values, as CPU features
+PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx512": "AVX-512", "avx2": "AVX2"}  # kernel_path()'s values, as CPU features
 
 
 def native_bfloat16() -> bool:
@@ -86,12 +86,16 @@ def native_bfloat16() -> bool:
 
 def kernel_path() -> str:
     """The products' instruction path on this machine: "amx" (AMX tiles, bfloat16 and int8
-    weights), "pairs" (AVX512-BF16 pair dot products) or "avx2"; $SELFSPEC_GEMV=pairs or avx2
-    asks for a lesser one. float32 weights take AVX2 FMAs on every path. Each path rounds its own
-    way, the same for every row count and thread count."""
+    weights), "pairs" (AVX512-BF16 pair dot products), "avx512" (AVX-512 FMAs, on CPUs with
+    AVX-512 but no AVX512-BF16: Skylake-SP to Ice Lake Xeons) or "avx2"; $SELFSPEC_GEMV=pairs,
+    avx512 or avx2 asks for a lesser one. float32 weights take AVX2 FMAs on the pair and AMX
+    paths, AVX-512 FMAs on the avx512 path. Each path rounds its own way, the same for every row
+    count and thread count."""
     flags, asked = _cpu_flags(), os.environ.get("SELFSPEC_GEMV", "")
-    if "avx512_bf16" not in flags or asked == "avx2":
+    if "avx512f" not in flags or asked == "avx2":
         return "avx2"
+    if "avx512_bf16" not in flags or asked == "avx512":
+        return "avx512"
     if not {"amx_bf16", "amx_tile"} <= flags or asked == "pairs":
         return "pairs"
     return "amx"
@@ -107,12 +111,14 @@ def _build() -> ctypes.CDLL | None:
 
     # Where the CPU has AVX512-BF16, bfloat16 weights go through its pair dot products (fewer
     # instructions per weight, so several rows cost little more than one); where it also has AMX,
-    # through tile dot products (16 rows cost what one does); else AVX2 throughout.
-    # SELFSPEC_GEMV=avx2 keeps AVX2 throughout and SELFSPEC_GEMV=pairs leaves AMX out (the tests
+    # through tile dot products (16 rows cost what one does); where it has AVX-512 without them,
+    # through 16-lane FMAs; else AVX2 throughout. SELFSPEC_GEMV=avx2 keeps AVX2 throughout,
+    # SELFSPEC_GEMV=avx512 leaves the pairs out and SELFSPEC_GEMV=pairs leaves AMX out (the tests
     # check every path the machine has).
     path = kernel_path()
     flags = FLAGS + [f"-DPREFETCH={_prefetch()}"]
     flags += ["-mavx512f", "-mavx512bf16"] if path in ("pairs", "amx") else []
+    flags += ["-mavx512f", "-DSELFSPEC_AVX512"] if path == "avx512" else []
     flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []
     sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
     text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])

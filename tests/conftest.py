@@ -60,11 +60,11 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=["auto", "pairs", "avx2"])
+@pytest.fixture(params=["auto", "pairs", "avx512", "avx2"])
 def path(request, monkeypatch):
-    """The kernel library (selfspec.gemv) this CPU picks, its build without AMX and its AVX2 build
-    (the same as "auto" where the CPU lacks AMX or AVX512-BF16), so every code path of the kernels
-    this CPU can run is tested on it."""
+    """The kernel library (selfspec.gemv) this CPU picks, its build without AMX, its AVX-512 build
+    without the bfloat16 pairs and its AVX2 build (each the same as the next where the CPU lacks
+    AMX, AVX512-BF16 or AVX-512), so every code path of the kernels this CPU can run is tested on it."""
     if request.param != "auto":
         from selfspec import gemv
 

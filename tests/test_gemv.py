@@ -18,7 +18,7 @@ def _reference(x, w, bias=None, scale=None):
     return y if bias is None else y + bias.float()
 
 
-@pytest.mark.parametrize("out_features, in_features", [(48, 64), (37, 100), (5, 31)])  # K % 32 tails, N % 16 tails
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (37, 100), (5, 31)])  # K % 32 and % 64 tails, N % 16 tails
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "float32"])
 def test_values_match_a_float32_product(out_features, in_features, weights, path):
     g = torch.Generator().manual_seed(0)

@@ -180,7 +180,7 @@ static void attend(const E* q, const E* kc, const E* vc, long lo, long p, long o
     for (long i = 0; i < hd / 8; i++) store8f(o + 8 * i, _mm256_div_ps(acc[i], inv));
 }
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(SELFSPEC_AVX512)
 // The lane sums of 16 vectors in one: lane t of the result is the sum of a[t]'s 16 lanes, every
 // one in the same tree ((x_l + x_l+8) + (x_l+4 + x_l+12), then (z0 + z2) + (z1 + z3)), as four
 // rounds of shuffles and adds shared by all 16 (hsum16 per vector costs twice the instructions).
@@ -200,20 +200,31 @@ static inline __m512 reduce16(const __m512* a) {
     return _mm512_permutexvar_ps(order, f);
 }
 
-// bfloat16 with AVX512-BF16: q·k as pair dot products of the bfloat16 rows themselves (no
-// conversion), 16 keys' sums reduced together (reduce16); the weighted sum of v on 16 lanes, each
-// loaded 32 bfloat16 at a time and widened as even and odd elements (a shift and a mask). Its own
-// fixed order per (row, head) and per key, wherever the key sits in a block of 16.
+// bfloat16 on 16 lanes: q·k for 16 keys at a time, their sums reduced together (reduce16). With
+// AVX512-BF16 as pair dot products of the bfloat16 rows themselves (no conversion); with AVX-512
+// alone each 32 elements of k widened as its even and odd ones (a shift and a mask) against q's,
+// widened once. The weighted sum of v on 16 lanes, loaded and widened the same way. Its own fixed
+// order per (row, head) and per key, wherever the key sits in a block of 16.
 template <int HD>
-static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, long own,
-                         float scale, uint16_t* o) {
+static void attend16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, long own,
+                     float scale, uint16_t* o) {
     static_assert(HD % 32 == 0, "head size");
     const long len = p - lo + 1;
     float* s = scores(len + 16);
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+#ifdef __AVX512BF16__
     __m512bh qz[HD / 32];
+#else
+    __m512 qe[HD / 32], qo[HD / 32];
+#endif
     __m512 even[HD / 32], odd[HD / 32];
     for (int i = 0; i < HD / 32; i++) {
+#ifdef __AVX512BF16__
         qz[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+#else
+        const __m512i raw = _mm512_loadu_si512(q + 32 * i);
+        qe[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), qo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+#endif
         even[i] = odd[i] = _mm512_setzero_ps();
     }
     const __m512 scale16 = _mm512_set1_ps(scale);
@@ -225,14 +236,21 @@ static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* 
             a[t] = _mm512_setzero_ps();
             if (t >= count) continue;  // a block's missing keys sum to 0 and are not kept
             const uint16_t* k = kc + key_slot(lo, j0 + t, len, own) * HD;
-            for (int i = 0; i < HD / 32; i++) a[t] = _mm512_dpbf16_ps(a[t], qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+            for (int i = 0; i < HD / 32; i++) {
+#ifdef __AVX512BF16__
+                a[t] = _mm512_dpbf16_ps(a[t], qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+#else
+                const __m512i raw = _mm512_loadu_si512(k + 32 * i);
+                a[t] = _mm512_fmadd_ps(qe[i], _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), a[t]);
+                a[t] = _mm512_fmadd_ps(qo[i], _mm512_castsi512_ps(_mm512_and_si512(raw, high)), a[t]);
+#endif
+            }
         }
         const __m512 block = _mm512_mul_ps(reduce16(a), scale16);
         _mm512_storeu_ps(s + j0, block);
         m16 = _mm512_mask_max_ps(m16, (__mmask16)((1u << count) - 1), m16, block);
     }
     const float sum = softmax_weights(s, len, _mm512_reduce_max_ps(m16));
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (long j = 0; j < len; j++) {
         const uint16_t* v = vc + key_slot(lo, j, len, own) * HD;
         const __m512 pj = _mm512_set1_ps(s[j]);
@@ -258,12 +276,12 @@ static void attend_pairs(const uint16_t* q, const uint16_t* kc, const uint16_t* 
 
 template <typename E>
 static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, long own, long hd, float scale, E* o) {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(SELFSPEC_AVX512)
     if constexpr (std::is_same<E, uint16_t>::value) {
         switch (hd) {
-            case 64: return attend_pairs<64>(q, kc, vc, lo, p, own, scale, o);
-            case 128: return attend_pairs<128>(q, kc, vc, lo, p, own, scale, o);
-            case 256: return attend_pairs<256>(q, kc, vc, lo, p, own, scale, o);
+            case 64: return attend16<64>(q, kc, vc, lo, p, own, scale, o);
+            case 128: return attend16<128>(q, kc, vc, lo, p, own, scale, o);
+            case 256: return attend16<256>(q, kc, vc, lo, p, own, scale, o);
         }
     }
 #endif

@@ -4,7 +4,7 @@
 // W [N, K] row-major: bfloat16 (uint16 bits) or int8 with one scale per output row; x [R, K]
 // bfloat16, R in 1..16 (four per pass over W); y [R_out, N] bfloat16, rounded to nearest even (rows past R copy row R - 1).
 // Or all three float32.
-// AVX2 + FMA (AVX512-BF16 where built for it), OpenMP threads.
+// AVX2 + FMA (AVX-512 or AVX512-BF16 where built for it), OpenMP threads.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -101,16 +101,67 @@ static void rows(const T* W, const float* X, const uint16_t* scale, const E* bia
     }
 }
 
+#ifdef __AVX512F__
+// The upper 8 lanes of v, and hsum's order over all 16: the low and high halves added, then hsum.
+static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+static inline float hsum16(__m512 v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high8(v))); }
+#endif
+
+#ifdef SELFSPEC_AVX512
+// Built with -mavx512f -DSELFSPEC_AVX512 where the CPU has AVX-512 but not its bfloat16 pairs
+// (Skylake-SP to Ice Lake Xeons): rows() at 16 lanes, half the widenings, FMAs and loop
+// instructions per weight, so 3-4 rows, which are compute-bound at 8 lanes, get nearer the weight
+// stream. X holds each 32-block of a bfloat16 row as its 16 even then its 16 odd elements.
+static inline __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+template <typename T, typename E, int R>
+static void rows16(const T* W, const float* X, const uint16_t* scale, const E* bias, E* Y, long j0, long j1, long K,
+                   long N) {
+    for (long j = j0; j < j1; j++) {
+        const T* w = W + j * K;
+        __m512 a[R][4];
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < 4; u++) a[r][u] = _mm512_setzero_ps();
+        long k = 0;
+        for (; k + 64 <= K; k += 64) {
+#if PREFETCH
+            for (unsigned b = 0; b < 64 * sizeof(T); b += 64) _mm_prefetch((const char*)(w + k + PREFETCH) + b, _MM_HINT_T0);
+#endif
+            __m512 w0, w1, w2, w3;
+            if constexpr (std::is_same<T, uint16_t>::value) {
+                const __m512i u0 = _mm512_loadu_si512(w + k), u1 = _mm512_loadu_si512(w + k + 32);
+                const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+                w0 = _mm512_castsi512_ps(_mm512_slli_epi32(u0, 16)), w1 = _mm512_castsi512_ps(_mm512_and_si512(u0, high));
+                w2 = _mm512_castsi512_ps(_mm512_slli_epi32(u1, 16)), w3 = _mm512_castsi512_ps(_mm512_and_si512(u1, high));
+            } else {
+                w0 = load16(w + k), w1 = load16(w + k + 16), w2 = load16(w + k + 32), w3 = load16(w + k + 48);
+            }
+            for (int r = 0; r < R; r++) {
+                const float* x = X + r * K + k;
+                a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), a[r][1]);
+                a[r][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + 32), a[r][2]);
+                a[r][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x + 48), a[r][3]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float s = hsum16(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+            for (long t = k; t < K; t++) s += value(w, t) * X[r * K + t];
+            if (scale) s *= bf16_to_float(scale[j]);
+            if (bias) s += value(bias, j);
+            store(Y, r * N + j, s);
+        }
+    }
+}
+#endif
+
 #ifdef __AVX512BF16__
 // Built with -mavx512bf16 where the CPU has it (AVX512-BF16: Zen 4, Sapphire Rapids): weights and
 // x go into dot products of bfloat16 pairs, half the FMAs and no per-row conversion, so two to
 // four rows cost little more than one. int8 weights become bfloat16 on the way (exactly: every
 // integer up to 256 is a bfloat16). Each row is still one fixed order of its own.
 static inline __m512bh load32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-
-// The upper 8 lanes of v, and hsum's order over all 16: the low and high halves added, then hsum.
-static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-static inline float hsum16(__m512 v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high8(v))); }
 
 static inline __m512bh load32(const int8_t* p) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -293,18 +344,26 @@ static void product4(const T* W, const E* x, const uint16_t* scale, const E* bia
 #else
         false;
 #endif
+    constexpr long lanes =
+#ifdef SELFSPEC_AVX512
+        16;
+#else
+        8;
+#endif
     if constexpr (std::is_same<E, float>::value) {
         X = (float*)x;  // already float32
     } else if constexpr (!pairs) {
-        // bfloat16 weights: each 16-block of x's 32-blocks as its 8 even then its 8 odd elements (the order
-        // rows() widens the weights in); the K % 32 tail and int8 weights' x in order
-        const long K32 = std::is_same<T, uint16_t>::value ? K / 32 * 32 : 0;
+        // bfloat16 weights: each 2h-block of x's 4h-blocks as its h even then its h odd elements (the order
+        // rows() and rows16() widen the weights in; h = 8 lanes, 16 with AVX-512); the tail and int8
+        // weights' x in order
+        constexpr long h = lanes;
+        const long K4 = std::is_same<T, uint16_t>::value ? K / (4 * h) * (4 * h) : 0;
         for (long r = 0; r < R; r++) {
             const E* xr = x + r * K;
             float* Xr = X + r * K;
-            for (long b = 0; b < K32; b += 16)
-                for (int i = 0; i < 8; i++) Xr[b + i] = bf16_to_float(xr[b + 2 * i]), Xr[b + 8 + i] = bf16_to_float(xr[b + 2 * i + 1]);
-            for (long i = K32; i < K; i++) Xr[i] = bf16_to_float(xr[i]);
+            for (long b = 0; b < K4; b += 2 * h)
+                for (int i = 0; i < h; i++) Xr[b + i] = bf16_to_float(xr[b + 2 * i]), Xr[b + h + i] = bf16_to_float(xr[b + 2 * i + 1]);
+            for (long i = K4; i < K; i++) Xr[i] = bf16_to_float(xr[i]);
         }
     }
     const long chunk = 16;  // output rows per task
@@ -319,6 +378,15 @@ static void product4(const T* W, const E* x, const uint16_t* scale, const E* bia
                 case 2: rows_pairs<T, 2>(W, x, scale, bias, Y, j0, j1, K, N); break;
                 case 3: rows_pairs<T, 3>(W, x, scale, bias, Y, j0, j1, K, N); break;
                 default: rows_pairs<T, 4>(W, x, scale, bias, Y, j0, j1, K, N); break;
+            }
+#endif
+        } else if constexpr (lanes == 16) {
+#ifdef SELFSPEC_AVX512
+            switch (R) {
+                case 1: rows16<T, E, 1>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                case 2: rows16<T, E, 2>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                case 3: rows16<T, E, 3>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                default: rows16<T, E, 4>(W, X, scale, bias, Y, j0, j1, K, N); break;
             }
 #endif
         } else {
