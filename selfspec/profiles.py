@@ -107,7 +107,8 @@ def runs_here(choice: dict) -> bool:
     """Whether a shipped choice applies on this machine. An entry that names "kernel_paths" was
     measured faster than plain decoding only where selfspec's product kernel runs one of those
     paths (selfspec.gemv.kernel_path): on a CPU with AVX2 only, a bfloat16 verify over 2 rows
-    costs ~1.15 steps and the shipped hybrid ran 0.99x AR (README, "A fourth CPU")."""
+    costs ~1.15 steps and the shipped hybrid ran 0.99x AR (README, "A fourth CPU"); on an Ice
+    Lake Xeon's AVX-512 path it ran 1.11x (README, "A fifth CPU")."""
     paths = choice.get("kernel_paths")
     if paths is None:
         return True
