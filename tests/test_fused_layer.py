@@ -79,6 +79,28 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours_or_threads(arch, dtype, thr
     assert torch.equal(together, one_by_one)
 
 
+@pytest.mark.parametrize("head_dim, window", [(64, None), (128, None), (64, 50)])
+def test_verify_rows_reading_a_long_context_together_are_the_one_row_steps(head_dim, window, path):
+    """Past 16 shared keys, the rows of a bfloat16 verify read each key once for all of them
+    (kernels/layer.h, attend16_rows: 64- and 128-wide heads on the AVX-512 paths); each row still
+    gets exactly what its one-row step gets, and so do rows whose sliding windows start apart
+    (window 50: rows at positions past 49 start their keys at different slots)."""
+    from transformers import LlamaConfig, MistralConfig
+
+    shape = {**COMMON, "head_dim": head_dim}
+    config = MistralConfig(**shape, sliding_window=window) if window else LlamaConfig(**shape)
+    adapter = SelfSpecModel(build(config, 0, torch.bfloat16)).adapter
+    assert adapter.step.fused is not None
+    ids = torch.randint(0, VOCAB, (56,), generator=torch.Generator().manual_seed(5))
+    one_by_one = _logits(adapter, ids, 40)[40:]
+    for n in (2, 3, 4, 16):
+        with torch.inference_mode():
+            cache = adapter.new_cache(len(ids) + 1)
+            adapter.run_layers(adapter.embed(ids[:40]), range(adapter.n_layers), 0, cache)
+            together = adapter.head(adapter.run_layers(adapter.embed(ids[40:40 + n]), range(adapter.n_layers), 40, cache))
+        assert torch.equal(together, one_by_one[:n]), n
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
 def test_bfloat16_default_mode_is_lossless_for_every_drafter_kind(arch):
     model = _model(arch, torch.bfloat16)

@@ -14,6 +14,7 @@
 #include "product.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <vector>
 
@@ -272,6 +273,121 @@ static void attend16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
         store8f(o + 32 * i + 24, _mm256_div_ps(high8(hi16), inv));
     }
 }
+// Q rows of one head that share the keys' first slots (the same lo; rows of one verify): attend16
+// for each, with every key of their common prefix loaded and widened once for all Q. Each row's
+// arithmetic is attend16's, op for op (its own dot per key, its own softmax over its own keys, its
+// own weighted sum in key order), so its result is the one-row call's bit for bit. HD·Q <= 256
+// keeps the rows' accumulators in registers.
+template <int HD, int Q>
+static void attend16_rows(const uint16_t* const* q, const uint16_t* kc, const uint16_t* vc, long lo, const long* p,
+                          const long* own, float scale, uint16_t* const* o) {
+    static_assert(HD % 32 == 0 && HD * Q <= 256, "head size and rows");
+    constexpr int B = HD / 32;
+    static thread_local std::vector<float> buf;
+    long len[Q], shared = 1L << 62, most = 0;
+    for (int r = 0; r < Q; r++) {
+        len[r] = p[r] - lo + 1;
+        shared = len[r] - 1 < shared ? len[r] - 1 : shared;  // keys lo .. lo + shared - 1 are every row's
+        most = len[r] > most ? len[r] : most;
+    }
+    if ((long)buf.size() < Q * (most + 16)) buf.resize(Q * (most + 16));
+    float* s[Q];
+    for (int r = 0; r < Q; r++) s[r] = buf.data() + r * (most + 16);
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+#ifdef __AVX512BF16__
+    __m512bh qz[Q][B];
+#else
+    __m512 qe[Q][B], qo[Q][B];
+#endif
+    __m512 even[Q][B], odd[Q][B], m16[Q];
+    for (int r = 0; r < Q; r++) {
+        m16[r] = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < B; i++) {
+#ifdef __AVX512BF16__
+            qz[r][i] = (__m512bh)_mm512_loadu_si512(q[r] + 32 * i);
+#else
+            const __m512i raw = _mm512_loadu_si512(q[r] + 32 * i);
+            qe[r][i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), qo[r][i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+#endif
+            even[r][i] = odd[r][i] = _mm512_setzero_ps();
+        }
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    // One key's dot with row r's q, in attend16's order.
+    auto dot = [&](int r, const uint16_t* k) {
+        __m512 a = _mm512_setzero_ps();
+        for (int i = 0; i < B; i++) {
+#ifdef __AVX512BF16__
+            a = _mm512_dpbf16_ps(a, qz[r][i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+#else
+            const __m512i raw = _mm512_loadu_si512(k + 32 * i);
+            a = _mm512_fmadd_ps(qe[r][i], _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), a);
+            a = _mm512_fmadd_ps(qo[r][i], _mm512_castsi512_ps(_mm512_and_si512(raw, high)), a);
+#endif
+        }
+        return a;
+    };
+    __m512 a[Q][16];
+    auto keep = [&](int r, long j0, long count) {  // a block's scores into s[r], and its maximum
+        for (long t = count; t < 16; t++) a[r][t] = _mm512_setzero_ps();
+        const __m512 block = _mm512_mul_ps(reduce16(a[r]), scale16);
+        _mm512_storeu_ps(s[r] + j0, block);
+        m16[r] = _mm512_mask_max_ps(m16[r], (__mmask16)((1u << count) - 1), m16[r], block);
+    };
+    long j0 = 0;
+    for (; j0 + 16 <= shared; j0 += 16) {  // whole blocks of shared keys: each key read once for all rows
+        for (long t = 0; t < 16; t++) {
+            const uint16_t* k = kc + (lo + j0 + t) * HD;
+            for (int r = 0; r < Q; r++) a[r][t] = dot(r, k);
+        }
+        for (int r = 0; r < Q; r++) keep(r, j0, 16);
+    }
+    for (int r = 0; r < Q; r++)  // each row's remaining keys, in blocks of 16 from j0
+        for (long b = j0; b < len[r]; b += 16) {
+            const long count = len[r] - b < 16 ? len[r] - b : 16;
+            for (long t = 0; t < count; t++) a[r][t] = dot(r, kc + key_slot(lo, b + t, len[r], own[r]) * HD);
+            keep(r, b, count);
+        }
+    float sum[Q];
+    for (int r = 0; r < Q; r++) sum[r] = softmax_weights(s[r], len[r], _mm512_reduce_max_ps(m16[r]));
+    auto weigh = [&](int r, long j, const __m512* ve, const __m512* vo) {
+        const __m512 pj = _mm512_set1_ps(s[r][j]);
+        for (int i = 0; i < B; i++) {
+            even[r][i] = _mm512_fmadd_ps(pj, ve[i], even[r][i]);
+            odd[r][i] = _mm512_fmadd_ps(pj, vo[i], odd[r][i]);
+        }
+    };
+    auto widen = [&](const uint16_t* v, __m512* ve, __m512* vo) {
+        for (int i = 0; i < B; i++) {
+            const __m512i raw = _mm512_loadu_si512(v + 32 * i);
+            ve[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), vo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        }
+    };
+    __m512 ve[B], vo[B];
+    for (long j = 0; j < shared; j++) {  // shared values: read once, weighed into every row
+        widen(vc + (lo + j) * HD, ve, vo);
+        for (int r = 0; r < Q; r++) weigh(r, j, ve, vo);
+    }
+    for (int r = 0; r < Q; r++)
+        for (long j = shared; j < len[r]; j++) {
+            widen(vc + key_slot(lo, j, len[r], own[r]) * HD, ve, vo);
+            weigh(r, j, ve, vo);
+        }
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int r = 0; r < Q; r++) {
+        const __m256 inv = _mm256_set1_ps(sum[r]);
+        for (int i = 0; i < B; i++) {
+            const __m512 lo16 = _mm512_permutex2var_ps(even[r][i], first, odd[r][i]);
+            const __m512 hi16 = _mm512_permutex2var_ps(even[r][i], second, odd[r][i]);
+            store8f(o[r] + 32 * i, _mm256_div_ps(_mm512_castps512_ps256(lo16), inv));
+            store8f(o[r] + 32 * i + 8, _mm256_div_ps(high8(lo16), inv));
+            store8f(o[r] + 32 * i + 16, _mm256_div_ps(_mm512_castps512_ps256(hi16), inv));
+            store8f(o[r] + 32 * i + 24, _mm256_div_ps(high8(hi16), inv));
+        }
+    }
+}
+
 #endif
 
 template <typename E>
@@ -291,6 +407,39 @@ static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, lo
         case 256: return attend<E, 256>(q, kc, vc, lo, p, own, hd, scale, o);
         default: return attend<E, 0>(q, kc, vc, lo, p, own, hd, scale, o);
     }
+}
+
+// Rows r0 .. r0 + count - 1 of one head h (count <= rows_per_attend(hd)) against their keys, lo[r]
+// the first: together (attend16_rows) where they share their first key and there are two or
+// more, else one by one (attend_any). Every row's result is the one-row call's either way.
+static int rows_per_attend(long hd) {
+#if defined(__AVX512BF16__) || defined(SELFSPEC_AVX512)
+    static const int most = [] { const char* v = getenv("SELFSPEC_ATTN_ROWS"); return v ? atoi(v) : 4; }();
+    return hd == 64 ? std::min(most, 4) : hd == 128 ? std::min(most, 2) : 1;
+#else
+    return 1;
+#endif
+}
+
+template <typename E>
+static void attend_rows(E* const* q, const E* kc, const E* vc, const long* lo, const long* p, const long* own,
+                        int count, long hd, float scale, E* const* o) {
+    bool together = count > 1;
+    for (int r = 1; r < count; r++) together = together && lo[r] == lo[0];
+#if defined(__AVX512BF16__) || defined(SELFSPEC_AVX512)
+    if constexpr (std::is_same<E, uint16_t>::value) {
+        if (together) {
+            if (hd == 64) switch (count) {
+                case 2: return attend16_rows<64, 2>(q, kc, vc, lo[0], p, own, scale, o);
+                case 3: return attend16_rows<64, 3>(q, kc, vc, lo[0], p, own, scale, o);
+                case 4: return attend16_rows<64, 4>(q, kc, vc, lo[0], p, own, scale, o);
+            }
+            if (hd == 128 && count == 2) return attend16_rows<128, 2>(q, kc, vc, lo[0], p, own, scale, o);
+        }
+    }
+#endif
+    (void)together;
+    for (int r = 0; r < count; r++) attend_any(q[r], kc, vc, lo[r], p[r], own[r], hd, scale, o[r]);
 }
 
 // act [I] = act(gate) · up for one row of gu = [gate | up] [2·I] (I % 8 == 0), each op rounded
@@ -351,13 +500,21 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
                 memcpy(vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
             }
         }
-        const long group = nh / nkv, tasks = n * nh;
+        // Tasks: (chunk of rows, head), the rows of a chunk attending together (attend_rows).
+        const int per = rows_per_attend(hd), chunks = (n + per - 1) / per;
+        const long group = nh / nkv, tasks = chunks * nh;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (long t = 0; t < tasks; t++) {
-            long r = t / nh, head = t % nh, g = head / group, p = siblings && r ? start + 1 : start + r;
-            long lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            attend_any(qkv + r * qkv_dim + head * hd, kc + g * capacity * hd, vc + g * capacity * hd, lo, p, start + r, hd,
-                       d.scale, o + r * qdim + head * hd);
+            const long head = t % nh, g = head / group;
+            const int c = t / nh, r0 = c * n / chunks, count = (c + 1) * n / chunks - r0;  // balanced chunks
+            E *qs[MAX_ROWS], *os[MAX_ROWS];
+            long los[MAX_ROWS], ps[MAX_ROWS], owns[MAX_ROWS];
+            for (int i = 0; i < count; i++) {
+                const long r = r0 + i, p = siblings && r ? start + 1 : start + r;
+                qs[i] = qkv + r * qkv_dim + head * hd, os[i] = o + r * qdim + head * hd;
+                los[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, ps[i] = p, owns[i] = start + r;
+            }
+            attend_rows(qs, kc + g * capacity * hd, vc + g * capacity * hd, los, ps, owns, count, hd, d.scale, os);
         }
         linear<T, E>(w.wo, o, w.so, nullptr, a, H, qdim, n, threads, X.data());
         for (int r = 0; r < n; r++) {
