@@ -10,7 +10,8 @@ per-row float32 accumulators, for up to four input rows per pass (up to MAX_ROWS
 Exactness: every output element is one thread's sum in one fixed order, the same whatever the
 number of rows in the call or the thread count, so a verify's rows equal the AR step's rows bit for
 bit. (Across CPUs: the AVX2 path rounds alike on every x86 CPU; CPUs with AVX512-BF16 take the
-pair-dot-product path for bfloat16 weights, which rounds its own way.)
+pair-dot-product path for bfloat16 weights, CPUs with AVX-512 but not those the 16-lane AVX-512
+path, and CPUs with AMX the tile products: each rounds its own way.)
 
 Built once per machine with g++ (about 3 s with the fused layer) into the selfspec cache and loaded with ctypes;
 without g++, AVX2 or FMA, or with SELFSPEC_GEMV=0, `available()` is False and the lean step keeps
@@ -60,6 +61,22 @@ def _prefetch() -> int:
             raise ValueError(f"SELFSPEC_PREFETCH must be a whole number of weight elements (0: none), got {value!r}")
         return int(value)
     return PREFETCH if "GenuineIntel" in _cpuinfo("vendor_id") else 0
+
+
+def _attention_rows(path: str) -> int:
+    """How many rows of a verify attend together per task in the fused layer (kernels/layer.h,
+    attend16_rows; 64- and 128-wide heads on the AVX-512 paths): $SELFSPEC_ATTN_ROWS, else 4 on
+    the avx512 path and 1 (each row alone) elsewhere. On a 2-core Ice Lake Xeon (avx512) it took a
+    4-row verify's attention sublayers at 1,000 keys from 2.07-2.29x a step's to 1.36-1.46x
+    (scripts/attention_rows_ab.sh, results/intel_avx512/attention_rows_ab.out); the pair and AMX
+    paths were not measured with it, so they keep one row per task. Results are bit-identical
+    either way (each row's arithmetic is its one-row call's)."""
+    value = os.environ.get("SELFSPEC_ATTN_ROWS", "").strip()
+    if value:
+        if not value.isdigit() or not 1 <= int(value) <= 4:
+            raise ValueError(f"SELFSPEC_ATTN_ROWS must be 1, 2, 3 or 4 (rows per attention task), got {value!r}")
+        return int(value)
+    return 4 if path == "avx512" else 1
 
 
 @functools.cache
@@ -116,7 +133,7 @@ def _build() -> ctypes.CDLL | None:
     # SELFSPEC_GEMV=avx512 leaves the pairs out and SELFSPEC_GEMV=pairs leaves AMX out (the tests
     # check every path the machine has).
     path = kernel_path()
-    flags = FLAGS + [f"-DPREFETCH={_prefetch()}"]
+    flags = FLAGS + [f"-DPREFETCH={_prefetch()}", f"-DATTN_ROWS={_attention_rows(path)}"]
     flags += ["-mavx512f", "-mavx512bf16"] if path in ("pairs", "amx") else []
     flags += ["-mavx512f", "-DSELFSPEC_AVX512"] if path == "avx512" else []
     flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []

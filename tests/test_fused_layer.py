@@ -101,6 +101,34 @@ def test_verify_rows_reading_a_long_context_together_are_the_one_row_steps(head_
         assert torch.equal(together, one_by_one[:n]), n
 
 
+def test_rows_attending_together_move_no_bit(monkeypatch):
+    """The build's rows per attention task ($SELFSPEC_ATTN_ROWS; 4 on the AVX-512 path, 1 on the
+    pair and AMX paths) changes no result: a 16-row bfloat16 verify over a 40-key context with
+    64-wide heads gives the one-row steps' logits with 1, 2 and 4. On a CPU with AVX512-BF16 this
+    is the test of the pair path's attend16_rows, which its default build leaves off."""
+    from transformers import LlamaConfig
+
+    ids = torch.randint(0, VOCAB, (56,), generator=torch.Generator().manual_seed(6))
+    one_by_one = None
+    for rows in ("1", "2", "4"):
+        monkeypatch.setenv("SELFSPEC_ATTN_ROWS", rows)
+        assert gemv._attention_rows(gemv.kernel_path()) == int(rows)
+        monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
+        adapter = SelfSpecModel(build(LlamaConfig(**{**COMMON, "head_dim": 64}), 0, torch.bfloat16)).adapter
+        if one_by_one is None:
+            one_by_one = _logits(adapter, ids, 40)[40:]
+        with torch.inference_mode():
+            cache = adapter.new_cache(len(ids) + 1)
+            adapter.run_layers(adapter.embed(ids[:40]), range(adapter.n_layers), 0, cache)
+            together = adapter.head(adapter.run_layers(adapter.embed(ids[40:]), range(adapter.n_layers), 40, cache))
+        assert torch.equal(together, one_by_one), rows
+    monkeypatch.setenv("SELFSPEC_ATTN_ROWS", "5")
+    with pytest.raises(ValueError, match="SELFSPEC_ATTN_ROWS must be 1, 2, 3 or 4"):
+        gemv._attention_rows("avx512")
+    monkeypatch.delenv("SELFSPEC_ATTN_ROWS")
+    assert gemv._attention_rows("avx512") == 4 and gemv._attention_rows("pairs") == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
 def test_bfloat16_default_mode_is_lossless_for_every_drafter_kind(arch):
     model = _model(arch, torch.bfloat16)

@@ -14,7 +14,6 @@
 #include "product.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
 #include <vector>
 
@@ -412,10 +411,14 @@ static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, lo
 // Rows r0 .. r0 + count - 1 of one head h (count <= rows_per_attend(hd)) against their keys, lo[r]
 // the first: together (attend16_rows) where they share their first key and there are two or
 // more, else one by one (attend_any). Every row's result is the one-row call's either way.
+// ATTN_ROWS: the most rows per task, set by the build (selfspec/gemv.py: 4 on the AVX-512 path,
+// where it was measured, 1 elsewhere; $SELFSPEC_ATTN_ROWS for an A/B). It changes no result.
+#ifndef ATTN_ROWS
+#define ATTN_ROWS 1
+#endif
 static int rows_per_attend(long hd) {
 #if defined(__AVX512BF16__) || defined(SELFSPEC_AVX512)
-    static const int most = [] { const char* v = getenv("SELFSPEC_ATTN_ROWS"); return v ? atoi(v) : 4; }();
-    return hd == 64 ? std::min(most, 4) : hd == 128 ? std::min(most, 2) : 1;
+    return hd == 64 ? std::min(ATTN_ROWS, 4) : hd == 128 ? std::min(ATTN_ROWS, 2) : 1;
 #else
     return 1;
 #endif
