@@ -19,3 +19,8 @@ python3 -c "while True: pass" &
 busy=$!
 .venv/bin/selfspec bench --method auto -n 64 --no-hf --markdown "$out/bench_auto_busy.md" > "$out/bench_auto_busy.out" 2>&1 || true
 kill $busy
+# int8 weights on the avx512 path: the shipped int8 hybrid (γ ≤ 2) beside AR.
+.venv/bin/selfspec bench --dtype int8 --method hybrid -g 2 --threads 2 -n 64 --no-hf --markdown "$out/bench_int8_hybrid_g2.md" > "$out/bench_int8_hybrid_g2.out" 2>&1
+# The step's costs (v(n), c(k)) and the end-to-end A/B of rows attending together.
+.venv/bin/python scripts/step_costs.py --dtype bfloat16 int8 --mode eager --repeats 9 --markdown "$out/step_costs.md" > "$out/step_costs.out" 2>&1
+bash scripts/attention_rows_bench.sh > "$out/attention_rows_bench.out" 2>&1
