@@ -188,6 +188,10 @@ def machine() -> str:
 def run_bench(args) -> int:
     import selfspec
 
+    rounds = getattr(args, "repeats", None)
+    rounds = 1 if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"--repeats must be at least 1, got {rounds}")
     prompts = load_prompts(args.prompts, args.per_category)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
     methods = [Method("ar (ours)", "ar")] + _methods(args, model)
@@ -208,8 +212,11 @@ def run_bench(args) -> int:
         check_length(model.adapter, ids.numel(), n)
 
     methods = warm_up(model, methods, encoded[0], min(n, 8))
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+    # Each round runs every prompt once, the methods one after another on each prompt, so a drift in
+    # this machine's speed (a busy neighbour, a VM's bandwidth moving minute to minute) hits them all
+    # alike; the tallies sum over the rounds.
+    bar = tqdm(total=rounds * len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
+    for i, (prompt, ids) in [(i, pair) for _ in range(rounds) for i, pair in enumerate(zip(prompts, encoded))]:
         reference = None
         # Sampling: every method draws with the same seed per prompt; the outputs are samples of the
         # same distribution (tests/lossless.py checks that), not the same tokens, so "= AR" is moot.
@@ -397,7 +404,7 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
         f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token after the prefill); "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "
-        f"{_decoding(args)}, max {args.max_new_tokens} new tokens, batch 1; machine: {machine()}; "
+        f"{_decoding(args)}, max {args.max_new_tokens} new tokens, batch 1{_rounds(args)}; machine: {machine()}; "
         f"command: {shlex.join(['selfspec', *sys.argv[1:]])}"
     )
     memory = (
@@ -412,6 +419,11 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
         lines += [f"Category {c}:", "", _table(per_category[c]), ""]
     return {"setup": setup, "memory": memory, "overall": overall, "per_category": per_category,
             "markdown": "\n".join(lines)}
+
+
+def _rounds(args) -> str:
+    rounds = getattr(args, "repeats", 1) or 1
+    return f"; {rounds} rounds over the prompts, summed (the methods interleaved per prompt)" if rounds > 1 else ""
 
 
 def _decoding(args) -> str:

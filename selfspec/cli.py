@@ -22,8 +22,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
                    help="weights and activations dtype (default auto: bfloat16 on CUDA and where selfspec's product "
-                        "kernel runs (x86 with AVX2 and g++) or the CPU computes it natively; else float32); int8: int8 weights with one scale per output "
-                        "channel and bfloat16 activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), "
+                        "kernel runs (x86 with AVX2 and g++) or the CPU computes it natively; else float32); "
+                        "int8: int8 weights with one scale per output channel and bfloat16 activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), "
                         "an int8 head, bfloat16 activations; lossless is relative to AR in the same dtype")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step with torch.compile, once per row bucket, cached on disk (default: "
@@ -233,6 +233,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "then draws with the same seed per prompt, the transformers references are left out, and "
                         "the '= AR' column reads 'sampled'")
     b.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt; prompt i uses seed + i")
+    b.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="run the prompts R times over, every method on each prompt in turn, and sum (default 1); "
+                        "on a noisy or shared machine 2-3 rounds spread its drift over all methods")
     b.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON to this file")
     b.add_argument("--markdown", default=None, help="also write the results table as markdown to this file")
     c = sub.add_parser("calc", help="the analytic model: tokens per step, speedup, ceiling, best γ",

@@ -93,7 +93,8 @@ def _cpu_flags() -> set[str]:
 
 
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
-PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx512": "AVX-512", "avx2": "AVX2"}  # kernel_path()'s values, as CPU features
+# kernel_path()'s values, as CPU features
+PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx512": "AVX-512", "avx2": "AVX2"}
 
 
 def native_bfloat16() -> bool:

@@ -187,3 +187,29 @@ def test_sampled_bench_reports_alpha_and_marks_outputs_sampled(tiny, monkeypatch
     assert "sampled at temperature 0.8" in out and "HF" not in out.split("| method")[1].split("\n", 2)[2]
     rows = [line for line in out.splitlines() if line.startswith("| early-exit") or line.startswith("| lookup")]
     assert rows and all("| sampled |" in line for line in rows)
+
+
+def test_repeats_run_every_prompt_again_and_sum(tiny, monkeypatch, capsys):
+    """--repeats R: R rounds over the prompts, every method on each prompt in turn, the tallies
+    summed ("= AR" counts R runs a prompt) and said in the setup line; R < 1 is refused before any
+    model work."""
+    import selfspec
+
+    model = tiny()
+    fixed = torch.tensor([1, 5, 9, 2, 7, 3, 5, 9])
+    monkeypatch.setattr(model, "encode", lambda text, *a, **kw: text if torch.is_tensor(text) else fixed)
+    monkeypatch.setattr(selfspec, "load", lambda *a, **kw: model)
+    args = dict(prompts="code", per_category=1, model=None, dtype=None, device="cpu", compile=None, exact=None,
+                method=["lookup"], exit_layer=None, draft_len=[2], no_hf=True, max_new_tokens=6, json_out=None,
+                markdown=None)
+    assert bench.run_bench(Namespace(**args, repeats=1)) == 0
+    once = capsys.readouterr().out
+    assert bench.run_bench(Namespace(**args, repeats=2)) == 0
+    twice = capsys.readouterr().out
+    count = lambda out: next(line for line in out.splitlines() if line.startswith("| lookup")).split("|")[-3].strip()  # noqa: E731
+    n = int(count(once).split("/")[1])
+    assert n >= 1 and count(once) == f"{n}/{n}" and count(twice) == f"{2 * n}/{2 * n}"
+    assert "2 rounds over the prompts" in twice and "rounds over the prompts" not in once
+    monkeypatch.setattr(selfspec, "load", lambda *a, **kw: pytest.fail("loaded a model for a bad --repeats"))
+    with pytest.raises(ValueError, match="--repeats must be at least 1"):
+        bench.run_bench(Namespace(**args, repeats=0))
