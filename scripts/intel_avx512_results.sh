@@ -24,3 +24,5 @@ kill $busy
 # The step's costs (v(n), c(k)) and the end-to-end A/B of rows attending together.
 .venv/bin/python scripts/step_costs.py --dtype bfloat16 int8 --mode eager --repeats 9 --markdown "$out/step_costs.md" > "$out/step_costs.out" 2>&1
 bash scripts/attention_rows_bench.sh > "$out/attention_rows_bench.out" 2>&1
+# The headline: the shipped auto and γ = 1 drafts, 3 interleaved rounds (bench --repeats).
+.venv/bin/selfspec bench --method auto,hybrid,feature,lookup -g 1 --threads 2 -n 64 --no-hf --repeats 3 --markdown "$out/bench_repeats3.md" > "$out/bench_repeats3.out" 2>&1
