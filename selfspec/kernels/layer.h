@@ -272,11 +272,11 @@ static void attend16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
         store8f(o + 32 * i + 24, _mm256_div_ps(high8(hi16), inv));
     }
 }
-// Q rows of one head that share the keys' first slots (the same lo; rows of one verify): attend16
-// for each, with every key of their common prefix loaded and widened once for all Q. Each row's
-// arithmetic is attend16's, op for op (its own dot per key, its own softmax over its own keys, its
-// own weighted sum in key order), so its result is the one-row call's bit for bit. HD·Q <= 256
-// keeps the rows' accumulators in registers.
+// Q queries of one KV head that share the keys' first slots (the same lo: the heads of its group,
+// the rows of one verify): attend16 for each, with every key of their common prefix loaded and
+// widened once for all Q. Each query's arithmetic is attend16's, op for op (its own dot per key,
+// its own softmax over its own keys, its own weighted sum in key order), so its result is the
+// one-row call's bit for bit. HD·Q <= 256 keeps most of the accumulators in registers.
 template <int HD, int Q>
 static void attend16_rows(const uint16_t* const* q, const uint16_t* kc, const uint16_t* vc, long lo, const long* p,
                           const long* own, float scale, uint16_t* const* o) {
@@ -408,9 +408,9 @@ static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, lo
     }
 }
 
-// Rows r0 .. r0 + count - 1 of one head h (count <= rows_per_attend(hd)) against their keys, lo[r]
-// the first: together (attend16_rows) where they share their first key and there are two or
-// more, else one by one (attend_any). Every row's result is the one-row call's either way.
+// count <= 4 queries of one KV head (heads of its group, rows of a verify) against their keys,
+// lo[i] the first: together (attend16_rows) where they share their first key and there are two or
+// more, else one by one (attend_any). Every query's result is its one-row call's either way.
 // ATTN_ROWS: the most rows per task, set by the build (selfspec/gemv.py: 4 on the AVX-512 path,
 // where it was measured, 1 elsewhere; $SELFSPEC_ATTN_ROWS for an A/B). It changes no result.
 #ifndef ATTN_ROWS
@@ -503,17 +503,19 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
                 memcpy(vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
             }
         }
-        // Tasks: (chunk of rows, head), the rows of a chunk attending together (attend_rows).
-        const int per = rows_per_attend(hd), chunks = (n + per - 1) / per;
-        const long group = nh / nkv, tasks = chunks * nh;
+        // The queries of KV head g are the (row, head) pairs of its heads, n · group of them; a task
+        // takes a chunk of up to rows_per_attend of them, which read the keys together (attend_rows).
+        const long group = nh / nkv, queries = n * group, per = rows_per_attend(hd);
+        const long chunks = (queries + per - 1) / per, tasks = nkv * chunks;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (long t = 0; t < tasks; t++) {
-            const long head = t % nh, g = head / group;
-            const int c = t / nh, r0 = c * n / chunks, count = (c + 1) * n / chunks - r0;  // balanced chunks
-            E *qs[MAX_ROWS], *os[MAX_ROWS];
-            long los[MAX_ROWS], ps[MAX_ROWS], owns[MAX_ROWS];
+            const long g = t / chunks, c = t % chunks, i0 = c * queries / chunks;
+            const int count = (int)((c + 1) * queries / chunks - i0);  // balanced chunks
+            E *qs[4], *os[4];
+            long los[4], ps[4], owns[4];
             for (int i = 0; i < count; i++) {
-                const long r = r0 + i, p = siblings && r ? start + 1 : start + r;
+                const long r = (i0 + i) / group, head = g * group + (i0 + i) % group;
+                const long p = siblings && r ? start + 1 : start + r;
                 qs[i] = qkv + r * qkv_dim + head * hd, os[i] = o + r * qdim + head * hd;
                 los[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, ps[i] = p, owns[i] = start + r;
             }
