@@ -288,9 +288,12 @@ class SelfSpecModel:
                           f"{gemv.PATH_NAMES[gemv.kernel_path()] if gemv.available() else 'PyTorch kernels'})")
                 shipped = None
             else:
+                where = ("" if shipped is None or not shipped.get("kernel_paths") else " on CPUs with " + ", ".join(
+                    gemv.PATH_NAMES.get(path, path) for path in shipped["kernel_paths"]))
                 choice = ("plain decoding" if shipped is None else
                           f"the shipped choice for {self.dtype_name}, {shipped['method']} γ={shipped['draft_len']} "
-                          f"(measured {shipped['measured']})")
+                          f"(measured faster than plain decoding{where}; the figures are in "
+                          "selfspec/data/shipped_profiles.json)")
             if self.name not in _NOTED_UNTUNED:
                 _NOTED_UNTUNED.add(self.name)
                 warnings.warn(f"{self.name} has no tuned profile on this machine: --method auto runs {choice}; "

@@ -202,7 +202,14 @@ def test_a_shipped_choice_for_other_kernel_paths_runs_plain_decoding(tiny, monke
     assert any("measured faster only on CPUs with AVX512-BF16 or AMX; this one's products run on AVX2" in str(w.message) for w in caught)
     monkeypatch.setattr(gemv, "kernel_path", lambda: "amx")
     assert profiles.runs_here(choice)
-    assert model.generate(REPETITIVE, max_new_tokens=8).stats.method == "lookup"
+    model.name = "shipped-tiny-llama-paths-amx"  # a new name: its note is said again, once
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert model.generate(REPETITIVE, max_new_tokens=8).stats.method == "lookup"
+    (note,) = [str(w.message) for w in caught if "no tuned profile" in str(w.message)]
+    # One short line naming what runs and where it was measured, not the shipped file's whole record.
+    assert "lookup γ=2 (measured faster than plain decoding on CPUs with AVX512-BF16, AMX;" in note
+    assert "a test" not in note and len(note) < 400
     assert profiles.runs_here({k: v for k, v in choice.items() if k != "kernel_paths"})
 
 
