@@ -26,3 +26,10 @@ kill $busy
 bash scripts/attention_rows_bench.sh > "$out/attention_rows_bench.out" 2>&1
 # The headline: the shipped auto and γ = 1 drafts, 3 interleaved rounds (bench --repeats).
 .venv/bin/selfspec bench --method auto,hybrid,feature,lookup -g 1 --threads 2 -n 64 --no-hf --repeats 3 --markdown "$out/bench_repeats3.md" > "$out/bench_repeats3.out" 2>&1
+# What tune picks on this CPU (its own profile dir, not the user's), the head's two siblings, and sampling.
+mkdir -p /tmp/ssprof_avx512
+(cd /tmp && SELFSPEC_PROFILES=/tmp/ssprof_avx512 "$OLDPWD/.venv/bin/selfspec" tune -g 3 --threads 2) > "$out/tune.out" 2>&1
+.venv/bin/selfspec bench --method auto --siblings 2 --threads 2 -n 64 --no-hf --repeats 2 --markdown "$out/bench_auto_siblings.md" > "$out/bench_auto_siblings.out" 2>&1
+for T in 0.7 1.0; do
+  .venv/bin/selfspec bench --method auto --threads 2 -n 64 --no-hf -t $T --markdown "$out/bench_auto_t$T.md" > "$out/bench_auto_t$T.out" 2>&1
+done
