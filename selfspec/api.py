@@ -281,15 +281,15 @@ class SelfSpecModel:
             if exit_layer is not None or draft_len is not None:  # knobs of a draft: the user asks for one
                 return "early-exit", exit_layer, draft_len
             shipped = shipped_choice(self.identity, self.dtype_name)
+            # the CPU features the shipped choice was measured faster on, if it names them
+            features = [gemv.PATH_NAMES.get(path, path) for path in (shipped or {}).get("kernel_paths") or []]
             if shipped is not None and not runs_here(shipped):
-                paths = " or ".join(gemv.PATH_NAMES.get(path, path) for path in shipped["kernel_paths"])
                 choice = (f"plain decoding (the shipped {shipped['method']} for {self.dtype_name} was measured faster "
-                          f"only on CPUs with {paths}; this one's products run on "
+                          f"only on CPUs with {' or '.join(features)}; this one's products run on "
                           f"{gemv.PATH_NAMES[gemv.kernel_path()] if gemv.available() else 'PyTorch kernels'})")
                 shipped = None
             else:
-                where = ("" if shipped is None or not shipped.get("kernel_paths") else " on CPUs with " + ", ".join(
-                    gemv.PATH_NAMES.get(path, path) for path in shipped["kernel_paths"]))
+                where = f" on CPUs with {', '.join(features)}" if features else ""
                 choice = ("plain decoding" if shipped is None else
                           f"the shipped choice for {self.dtype_name}, {shipped['method']} γ={shipped['draft_len']} "
                           f"(measured faster than plain decoding{where}; the figures are in "

@@ -422,7 +422,7 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
 
 
 def _rounds(args) -> str:
-    rounds = getattr(args, "repeats", 1) or 1
+    rounds = getattr(args, "repeats", None) or 1  # run_bench has refused any below 1
     return f"; {rounds} rounds over the prompts, summed (the methods interleaved per prompt)" if rounds > 1 else ""
 
 

@@ -200,98 +200,29 @@ static inline __m512 reduce16(const __m512* a) {
     return _mm512_permutexvar_ps(order, f);
 }
 
-// bfloat16 on 16 lanes: q·k for 16 keys at a time, their sums reduced together (reduce16). With
-// AVX512-BF16 as pair dot products of the bfloat16 rows themselves (no conversion); with AVX-512
-// alone each 32 elements of k widened as its even and odd ones (a shift and a mask) against q's,
-// widened once. The weighted sum of v on 16 lanes, loaded and widened the same way. Its own fixed
-// order per (row, head) and per key, wherever the key sits in a block of 16.
-template <int HD>
-static void attend16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, long own,
-                     float scale, uint16_t* o) {
-    static_assert(HD % 32 == 0, "head size");
-    const long len = p - lo + 1;
-    float* s = scores(len + 16);
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-#ifdef __AVX512BF16__
-    __m512bh qz[HD / 32];
-#else
-    __m512 qe[HD / 32], qo[HD / 32];
-#endif
-    __m512 even[HD / 32], odd[HD / 32];
-    for (int i = 0; i < HD / 32; i++) {
-#ifdef __AVX512BF16__
-        qz[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
-#else
-        const __m512i raw = _mm512_loadu_si512(q + 32 * i);
-        qe[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), qo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-#endif
-        even[i] = odd[i] = _mm512_setzero_ps();
-    }
-    const __m512 scale16 = _mm512_set1_ps(scale);
-    __m512 m16 = _mm512_set1_ps(-INFINITY);
-    for (long j0 = 0; j0 < len; j0 += 16) {
-        const long count = len - j0 < 16 ? len - j0 : 16;
-        __m512 a[16];
-        for (long t = 0; t < 16; t++) {
-            a[t] = _mm512_setzero_ps();
-            if (t >= count) continue;  // a block's missing keys sum to 0 and are not kept
-            const uint16_t* k = kc + key_slot(lo, j0 + t, len, own) * HD;
-            for (int i = 0; i < HD / 32; i++) {
-#ifdef __AVX512BF16__
-                a[t] = _mm512_dpbf16_ps(a[t], qz[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
-#else
-                const __m512i raw = _mm512_loadu_si512(k + 32 * i);
-                a[t] = _mm512_fmadd_ps(qe[i], _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), a[t]);
-                a[t] = _mm512_fmadd_ps(qo[i], _mm512_castsi512_ps(_mm512_and_si512(raw, high)), a[t]);
-#endif
-            }
-        }
-        const __m512 block = _mm512_mul_ps(reduce16(a), scale16);
-        _mm512_storeu_ps(s + j0, block);
-        m16 = _mm512_mask_max_ps(m16, (__mmask16)((1u << count) - 1), m16, block);
-    }
-    const float sum = softmax_weights(s, len, _mm512_reduce_max_ps(m16));
-    for (long j = 0; j < len; j++) {
-        const uint16_t* v = vc + key_slot(lo, j, len, own) * HD;
-        const __m512 pj = _mm512_set1_ps(s[j]);
-        for (int i = 0; i < HD / 32; i++) {
-            const __m512i raw = _mm512_loadu_si512(v + 32 * i);
-            even[i] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[i]);
-            odd[i] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_and_si512(raw, high)), odd[i]);
-        }
-    }
-    const __m256 inv = _mm256_set1_ps(sum);
-    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int i = 0; i < HD / 32; i++) {  // elements 32i .. 32i + 15, then 32i + 16 .. 32i + 31
-        const __m512 lo16 = _mm512_permutex2var_ps(even[i], first, odd[i]);
-        const __m512 hi16 = _mm512_permutex2var_ps(even[i], second, odd[i]);
-        store8f(o + 32 * i, _mm256_div_ps(_mm512_castps512_ps256(lo16), inv));
-        store8f(o + 32 * i + 8, _mm256_div_ps(high8(lo16), inv));
-        store8f(o + 32 * i + 16, _mm256_div_ps(_mm512_castps512_ps256(hi16), inv));
-        store8f(o + 32 * i + 24, _mm256_div_ps(high8(hi16), inv));
-    }
-}
 // Q queries of one KV head that share the keys' first slots (the same lo: the heads of its group,
-// the rows of one verify): attend16 for each, with every key of their common prefix loaded and
-// widened once for all Q. Each query's arithmetic is attend16's, op for op (its own dot per key,
-// its own softmax over its own keys, its own weighted sum in key order), so its result is the
-// one-row call's bit for bit. HD·Q <= 256 keeps most of the accumulators in registers.
+// the rows of one verify), every key of their common prefix loaded and widened once for all Q.
+// Each query's arithmetic is the same whatever Q, op for op (its own dot per key, its own softmax
+// over its own keys, its own weighted sum in key order), so its result is the one-query call's
+// (attend16, Q = 1) bit for bit. HD·Q <= 256 keeps most of the accumulators in registers.
+// q·k for 16 keys at a time, their sums reduced together (reduce16): with AVX512-BF16 as pair dot
+// products of the bfloat16 rows themselves (no conversion); with AVX-512 alone each 32 elements of
+// k widened as its even and odd ones (a shift and a mask) against q's, widened once. The weighted
+// sum of v on 16 lanes, loaded and widened the same way. Its own fixed order per query and per
+// key, wherever the key sits in a block of 16.
 template <int HD, int Q>
 static void attend16_rows(const uint16_t* const* q, const uint16_t* kc, const uint16_t* vc, long lo, const long* p,
                           const long* own, float scale, uint16_t* const* o) {
     static_assert(HD % 32 == 0 && HD * Q <= 256, "head size and rows");
     constexpr int B = HD / 32;
-    static thread_local std::vector<float> buf;
     long len[Q], shared = 1L << 62, most = 0;
     for (int r = 0; r < Q; r++) {
         len[r] = p[r] - lo + 1;
         shared = len[r] - 1 < shared ? len[r] - 1 : shared;  // keys lo .. lo + shared - 1 are every row's
         most = len[r] > most ? len[r] : most;
     }
-    if ((long)buf.size() < Q * (most + 16)) buf.resize(Q * (most + 16));
-    float* s[Q];
-    for (int r = 0; r < Q; r++) s[r] = buf.data() + r * (most + 16);
+    float* s[Q] = {scores(Q * (most + 16))};
+    for (int r = 1; r < Q; r++) s[r] = s[0] + r * (most + 16);
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
 #ifdef __AVX512BF16__
     __m512bh qz[Q][B];
@@ -387,6 +318,13 @@ static void attend16_rows(const uint16_t* const* q, const uint16_t* kc, const ui
     }
 }
 
+
+// One query (an AR step's row of one head): the same code, Q = 1.
+template <int HD>
+static void attend16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, long lo, long p, long own, float scale,
+                     uint16_t* o) {
+    attend16_rows<HD, 1>(&q, kc, vc, lo, &p, &own, scale, &o);
+}
 #endif
 
 template <typename E>
@@ -416,9 +354,10 @@ static void attend_any(const E* q, const E* kc, const E* vc, long lo, long p, lo
 #ifndef ATTN_ROWS
 #define ATTN_ROWS 1
 #endif
+static const int MAX_ATTEND = 4;  // queries per task at most
 static int rows_per_attend(long hd) {
 #if defined(__AVX512BF16__) || defined(SELFSPEC_AVX512)
-    return hd == 64 ? std::min(ATTN_ROWS, 4) : hd == 128 ? std::min(ATTN_ROWS, 2) : 1;
+    return hd == 64 ? std::min(ATTN_ROWS, MAX_ATTEND) : hd == 128 ? std::min(ATTN_ROWS, 2) : 1;
 #else
     return 1;
 #endif
@@ -511,8 +450,8 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
         for (long t = 0; t < tasks; t++) {
             const long g = t / chunks, c = t % chunks, i0 = c * queries / chunks;
             const int count = (int)((c + 1) * queries / chunks - i0);  // balanced chunks
-            E *qs[4], *os[4];
-            long los[4], ps[4], owns[4];
+            E *qs[MAX_ATTEND], *os[MAX_ATTEND];
+            long los[MAX_ATTEND], ps[MAX_ATTEND], owns[MAX_ATTEND];
             for (int i = 0; i < count; i++) {
                 const long r = (i0 + i) / group, head = g * group + (i0 + i) % group;
                 const long p = siblings && r ? start + 1 : start + r;

@@ -57,96 +57,82 @@ static inline float hsum(__m256 v) {  // one fixed order
 #define PREFETCH 0
 #endif
 
-// Output rows j0..j1 for R input rows; X is x in float32 [R, K].
-template <typename T, typename E, int R>
-static void rows(const T* W, const float* X, const uint16_t* scale, const E* bias, E* Y, long j0, long j1, long K,
-                 long N) {
-    for (long j = j0; j < j1; j++) {
-        const T* w = W + j * K;
-        __m256 a[R][4];
-        for (int r = 0; r < R; r++)
-            for (int u = 0; u < 4; u++) a[r][u] = _mm256_setzero_ps();
-        long k = 0;
-        for (; k + 32 <= K; k += 32) {
-#if PREFETCH
-            for (unsigned b = 0; b < 32 * sizeof(T); b += 64) _mm_prefetch((const char*)(w + k + PREFETCH) + b, _MM_HINT_T0);
-#endif
-            __m256 w0, w1, w2, w3;
-            if constexpr (std::is_same<T, uint16_t>::value) {
-                // 16 bfloat16 in one load: its even elements are its 32-bit lanes shifted up, its odd ones the
-                // lanes' high halves (X holds each 16-block as its 8 even then its 8 odd elements; see product4)
-                const __m256i u0 = _mm256_loadu_si256((const __m256i*)(w + k));
-                const __m256i u1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
-                const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-                w0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16)), w1 = _mm256_castsi256_ps(_mm256_and_si256(u0, high));
-                w2 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16)), w3 = _mm256_castsi256_ps(_mm256_and_si256(u1, high));
-            } else {
-                w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
-            }
-            for (int r = 0; r < R; r++) {
-                const float* x = X + r * K + k;
-                a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a[r][0]);
-                a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a[r][1]);
-                a[r][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), a[r][2]);
-                a[r][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), a[r][3]);
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
-            for (long t = k; t < K; t++) s += value(w, t) * X[r * K + t];
-            if (scale) s *= bf16_to_float(scale[j]);
-            if (bias) s += value(bias, j);
-            store(Y, r * N + j, s);
-        }
-    }
-}
-
 #ifdef __AVX512F__
 // The upper 8 lanes of v, and hsum's order over all 16: the low and high halves added, then hsum.
 static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 static inline float hsum16(__m512 v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high8(v))); }
 #endif
 
+// L float lanes and what rows() does with them: 8 (AVX2) or, built with -mavx512f
+// -DSELFSPEC_AVX512 where the CPU has AVX-512 but not its bfloat16 pairs (Skylake-SP to Ice Lake
+// Xeons), 16: half the widenings, FMAs and loop instructions per weight, so 3-4 rows, which are
+// compute-bound at 8 lanes, get nearer the weight stream.
+template <int L> struct Vec;
+template <> struct Vec<8> {
+    using F = __m256;
+    using I = __m256i;
+    static F zero() { return _mm256_setzero_ps(); }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+    static I loadi(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+    static F even(I u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }  // its lanes' low bfloat16
+    static F odd(I u) { return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u))); }
+    template <typename T> static F load(const T* p) { return load8(p); }  // int8 or float32 weights
+    static float sum(F v) { return hsum(v); }
+};
 #ifdef SELFSPEC_AVX512
-// Built with -mavx512f -DSELFSPEC_AVX512 where the CPU has AVX-512 but not its bfloat16 pairs
-// (Skylake-SP to Ice Lake Xeons): rows() at 16 lanes, half the widenings, FMAs and loop
-// instructions per weight, so 3-4 rows, which are compute-bound at 8 lanes, get nearer the weight
-// stream. X holds each 32-block of a bfloat16 row as its 16 even then its 16 odd elements.
-static inline __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+template <> struct Vec<16> {
+    using F = __m512;
+    using I = __m512i;
+    static F zero() { return _mm512_setzero_ps(); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+    static I loadi(const void* p) { return _mm512_loadu_si512(p); }
+    static F even(I u) { return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)); }
+    static F odd(I u) { return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u))); }
+    static F load(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+    static F load(const float* p) { return _mm512_loadu_ps(p); }
+    static float sum(F v) { return hsum16(v); }
+};
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
 
-template <typename T, typename E, int R>
-static void rows16(const T* W, const float* X, const uint16_t* scale, const E* bias, E* Y, long j0, long j1, long K,
-                   long N) {
+// Output rows j0..j1 for R input rows on L lanes; X is x in float32 [R, K].
+template <typename T, typename E, int R, int L>
+static void rows(const T* W, const float* X, const uint16_t* scale, const E* bias, E* Y, long j0, long j1, long K,
+                 long N) {
+    using V = Vec<L>;
+    constexpr long B = 4 * L;  // weights per pass: four vectors
     for (long j = j0; j < j1; j++) {
         const T* w = W + j * K;
-        __m512 a[R][4];
+        typename V::F a[R][4];
         for (int r = 0; r < R; r++)
-            for (int u = 0; u < 4; u++) a[r][u] = _mm512_setzero_ps();
+            for (int u = 0; u < 4; u++) a[r][u] = V::zero();
         long k = 0;
-        for (; k + 64 <= K; k += 64) {
+        for (; k + B <= K; k += B) {
 #if PREFETCH
-            for (unsigned b = 0; b < 64 * sizeof(T); b += 64) _mm_prefetch((const char*)(w + k + PREFETCH) + b, _MM_HINT_T0);
+            for (unsigned b = 0; b < B * sizeof(T); b += 64) _mm_prefetch((const char*)(w + k + PREFETCH) + b, _MM_HINT_T0);
 #endif
-            __m512 w0, w1, w2, w3;
+            typename V::F wv[4];
             if constexpr (std::is_same<T, uint16_t>::value) {
-                const __m512i u0 = _mm512_loadu_si512(w + k), u1 = _mm512_loadu_si512(w + k + 32);
-                const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-                w0 = _mm512_castsi512_ps(_mm512_slli_epi32(u0, 16)), w1 = _mm512_castsi512_ps(_mm512_and_si512(u0, high));
-                w2 = _mm512_castsi512_ps(_mm512_slli_epi32(u1, 16)), w3 = _mm512_castsi512_ps(_mm512_and_si512(u1, high));
+                // 2L bfloat16 in one load: its even elements are its 32-bit lanes shifted up, its odd ones the
+                // lanes' high halves (X holds each 2L-block as its L even then its L odd elements; see product4)
+                const typename V::I u0 = V::loadi(w + k), u1 = V::loadi(w + k + 2 * L);
+                wv[0] = V::even(u0), wv[1] = V::odd(u0), wv[2] = V::even(u1), wv[3] = V::odd(u1);
             } else {
-                w0 = load16(w + k), w1 = load16(w + k + 16), w2 = load16(w + k + 32), w3 = load16(w + k + 48);
+                for (int u = 0; u < 4; u++) wv[u] = V::load(w + k + u * L);
             }
             for (int r = 0; r < R; r++) {
                 const float* x = X + r * K + k;
-                a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), a[r][1]);
-                a[r][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + 32), a[r][2]);
-                a[r][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x + 48), a[r][3]);
+                for (int u = 0; u < 4; u++) a[r][u] = V::fmadd(wv[u], V::loadf(x + u * L), a[r][u]);
             }
         }
         for (int r = 0; r < R; r++) {
-            float s = hsum16(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+            float s = V::sum(V::add(V::add(a[r][0], a[r][1]), V::add(a[r][2], a[r][3])));
             for (long t = k; t < K; t++) s += value(w, t) * X[r * K + t];
             if (scale) s *= bf16_to_float(scale[j]);
             if (bias) s += value(bias, j);
@@ -154,7 +140,6 @@ static void rows16(const T* W, const float* X, const uint16_t* scale, const E* b
         }
     }
 }
-#endif
 
 #ifdef __AVX512BF16__
 // Built with -mavx512bf16 where the CPU has it (AVX512-BF16: Zen 4, Sapphire Rapids): weights and
@@ -344,19 +329,12 @@ static void product4(const T* W, const E* x, const uint16_t* scale, const E* bia
 #else
         false;
 #endif
-    constexpr long lanes =
-#ifdef SELFSPEC_AVX512
-        16;
-#else
-        8;
-#endif
     if constexpr (std::is_same<E, float>::value) {
         X = (float*)x;  // already float32
     } else if constexpr (!pairs) {
         // bfloat16 weights: each 2h-block of x's 4h-blocks as its h even then its h odd elements (the order
-        // rows() and rows16() widen the weights in; h = 8 lanes, 16 with AVX-512); the tail and int8
-        // weights' x in order
-        constexpr long h = lanes;
+        // rows() widens the weights in; h = LANES); the tail and int8 weights' x in order
+        constexpr long h = LANES;
         const long K4 = std::is_same<T, uint16_t>::value ? K / (4 * h) * (4 * h) : 0;
         for (long r = 0; r < R; r++) {
             const E* xr = x + r * K;
@@ -380,21 +358,12 @@ static void product4(const T* W, const E* x, const uint16_t* scale, const E* bia
                 default: rows_pairs<T, 4>(W, x, scale, bias, Y, j0, j1, K, N); break;
             }
 #endif
-        } else if constexpr (lanes == 16) {
-#ifdef SELFSPEC_AVX512
-            switch (R) {
-                case 1: rows16<T, E, 1>(W, X, scale, bias, Y, j0, j1, K, N); break;
-                case 2: rows16<T, E, 2>(W, X, scale, bias, Y, j0, j1, K, N); break;
-                case 3: rows16<T, E, 3>(W, X, scale, bias, Y, j0, j1, K, N); break;
-                default: rows16<T, E, 4>(W, X, scale, bias, Y, j0, j1, K, N); break;
-            }
-#endif
         } else {
             switch (R) {
-                case 1: rows<T, E, 1>(W, X, scale, bias, Y, j0, j1, K, N); break;
-                case 2: rows<T, E, 2>(W, X, scale, bias, Y, j0, j1, K, N); break;
-                case 3: rows<T, E, 3>(W, X, scale, bias, Y, j0, j1, K, N); break;
-                default: rows<T, E, 4>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                case 1: rows<T, E, 1, LANES>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                case 2: rows<T, E, 2, LANES>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                case 3: rows<T, E, 3, LANES>(W, X, scale, bias, Y, j0, j1, K, N); break;
+                default: rows<T, E, 4, LANES>(W, X, scale, bias, Y, j0, j1, K, N); break;
             }
         }
     }
