@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The AVX-512 product path (kernels/product.h, rows16; the default on CPUs with AVX-512 and no
+# The AVX-512 product path (kernels/product.h, rows over Vec<16>; the default on CPUs with AVX-512 and no
 # AVX512-BF16) against the AVX2 one it replaces there: kernel_timings.py's products and fused step
 # under SELFSPEC_GEMV=avx2 and avx512, interleaved three times, so drift hits both alike.
 cd "$(dirname "$0")/.."
