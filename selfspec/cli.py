@@ -506,18 +506,33 @@ def _serve_replicas(args, server_options: dict) -> int:
 
     scale = replicas.Scale.parse(args.replicas, args.autoscale)
     try:
-        replicas.start_ray(args.ray_address, replicas.local_cpus(scale, args.replica_cpus))
+        replicas.start_ray(args.ray_address, replicas.local_cpus(scale, args.replica_cpus), args.host, args.port)
     except ModuleNotFoundError:
         raise  # Ray is not installed: main prints the install command
+    except replicas.PortTaken as error:
+        print(f"selfspec: error: {error}", file=sys.stderr)
+        return 2
     except Exception as error:  # noqa: BLE001 - Ray's reasons are many; the user needs the one line
         print(f"selfspec: error: Ray could not start{' at ' + args.ray_address if args.ray_address else ''}: "
               f"{_first_line(error)}", file=sys.stderr)
         return 2
-    stopping = threading.Event()
+    stopping, serving = threading.Event(), threading.Event()
+
+    def stop_request(*_):
+        stopping.set()
+        if not serving.is_set():
+            raise KeyboardInterrupt  # still starting: unwind out of the deploy, then stop what started
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on, a stop request stops Ray and the replicas too
+        signal.signal(sig, stop_request)
     try:
         try:
             url = replicas.deploy(functools.partial(_load, args), server_options, scale, host=args.host,
                                   port=args.port, replica_cpus=args.replica_cpus, drain_s=args.drain_seconds)
+            serving.set()
+        except KeyboardInterrupt:
+            print("selfspec: stopped while the replicas were starting", file=sys.stderr)
+            return 0
         except Exception as error:  # noqa: BLE001 - e.g. a replica could not load the model: Ray logged why
             print(f"selfspec: error: the replicas did not start: {_first_line(error)}", file=sys.stderr)
             return 2
@@ -526,8 +541,6 @@ def _serve_replicas(args, server_options: dict) -> int:
               f"replicas (speculation: {args.method}; batch {args.max_batch}, queue {args.max_queue} each"
               f"{'; API key required' if args.api_key else ''}); /metrics shows each replica and the total",
               file=sys.stderr)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stopping.set())
         while not stopping.wait(1):
             pass
     finally:

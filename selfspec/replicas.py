@@ -13,9 +13,13 @@ snapshot (selfspec.metrics) to one small actor, the board, when a request ends a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
+import json
 import logging.config
 import os
+import socket
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,8 +136,30 @@ class Replica:
         return create_app(self.model, **self.server_options, peers=peers)
 
 
-def start_ray(address: str | None, cpus: int) -> None:
-    """Join the cluster at `address`, or start a local Ray instance on loopback with `cpus` CPUs.
+class PortTaken(RuntimeError):
+    """The serving port is another program's."""
+
+
+@contextlib.contextmanager
+def holding(host: str, port: int):
+    """The serving port, bound (not listening) for the block's duration. A starting Ray instance
+    picks its own ports (metrics, the dashboard agent) among the free ones, and could otherwise
+    pick this one before Ray Serve's proxy binds it. Raises PortTaken if the port is in use now."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    held = socket.socket(family, kind, proto)
+    try:
+        try:
+            held.bind(address)
+        except OSError as error:
+            raise PortTaken(f"port {port} on {host} is in use ({error.strerror}): choose another --port") from None
+        yield
+    finally:
+        held.close()
+
+
+def start_ray(address: str | None, cpus: int, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Join the cluster at `address`, or start a local Ray instance on loopback with `cpus` CPUs,
+    keeping the serving `host`:`port` out of the ports it picks for itself (`holding`).
     Call it before anything in the process imports ray (`require` too): ray reads the settings
     below when first imported."""
     if not address or _loopback(address):
@@ -144,10 +170,12 @@ def start_ray(address: str | None, cpus: int) -> None:
     # Ray folds alike log lines from several workers into one and holds them back meanwhile: the
     # access log needs every line, when it happens.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray, _ = require()
     if address:
+        ray, _ = require()
         ray.init(address=address, namespace=NAMESPACE)
-    else:
+        return
+    with holding(host, port):  # refused here, before Ray loads, if the port is taken
+        ray, _ = require()
         # "local": a new instance, even where `ray start` left an address for ray.init to join.
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace=NAMESPACE)
 
@@ -179,7 +207,21 @@ def deploy(load: Callable, server_options: dict, scale: Scale, *, host: str = "1
         **scale.options())
     threads = max(1, int(replica_cpus))
     serve.run(deployment.bind(load, server_options, threads), name=APP, route_prefix="/", blocking=False)
-    return f"http://{host}:{port}"
+    url = f"http://{host}:{port}"
+    if not answers_as_selfspec(url):
+        raise PortTaken(f"{url} does not answer as selfspec: another program has port {port}; choose another --port")
+    return url
+
+
+def answers_as_selfspec(url: str) -> bool:
+    """Whether `url`/health is a selfspec server's (its routes need no API key there)."""
+    url = url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")  # a wildcard: ask loopback
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as reply:
+            body = json.loads(reply.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("status") == "ok" and "model" in body
 
 
 def undeploy() -> None:

@@ -1,8 +1,10 @@
 """`selfspec serve --replicas 2`: two Ray Serve replicas of a tiny model behind one loopback endpoint,
 started by the CLI as a user would, against the same model served by one process."""
 
+import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -157,11 +159,60 @@ def test_scale_and_address_flags():
             replicas.Scale.parse(*bad)
 
 
-def _up(url: str) -> bool:
+def test_a_taken_port_is_refused_before_ray_starts(monkeypatch, capsys):
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_DEDUP_LOGS"):  # what start_ray sets, undone after
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # were Ray started (imported), this would fail otherwise
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert main(["serve", "--replicas", "2", "--port", str(port)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and f"port {port} on 127.0.0.1 is in use" in errors[0] and "--port" in errors[0]
+
+
+def test_the_held_port_is_kept_from_other_binds_and_freed_after():
+    """What keeps a starting Ray's own ports (picked among free ones) off the serving port."""
+    from selfspec import replicas
+
+    port = free_port()
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with replicas.holding(host, port):
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))  # free again
+
+
+def test_only_a_selfspec_server_counts_as_up(alone):
+    """A foreign server on the port (Ray's metrics exporter once took it) is not the replicas."""
+    from selfspec import replicas
+
+    assert replicas.answers_as_selfspec(alone.url)
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"# HELP ray_dashboard_api_requests_duration_seconds\n")
+
+        def log_message(self, *_):
+            pass
+
+    foreign = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
     try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        assert not replicas.answers_as_selfspec(f"http://127.0.0.1:{foreign.server_port}")
+    finally:
+        foreign.shutdown()
+    assert not replicas.answers_as_selfspec(f"http://127.0.0.1:{free_port()}")  # nothing there
+
+
+def _up(url: str) -> bool:
+    from selfspec import replicas
+
+    return replicas.answers_as_selfspec(url)
 
 
 def _auth() -> dict:
