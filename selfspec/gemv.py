@@ -79,6 +79,14 @@ def _attention_rows(path: str) -> int:
     return 4 if path == "avx512" else 1
 
 
+def vnni(path: str) -> bool:
+    """Whether int8 weights take the integer products (kernels/product.h, rows_vnni: x as int16
+    rows, exact integer sums): on the avx512 path where the CPU has AVX512-VNNI, unless
+    $SELFSPEC_VNNI=0 keeps them on float FMAs (for A/B). They round int8 models differently from
+    the float products (x is quantized to 15 bits a row), the same on every such CPU."""
+    return path == "avx512" and {"avx512_vnni", "avx512bw"} <= _cpu_flags() and os.environ.get("SELFSPEC_VNNI", "1") != "0"
+
+
 @functools.cache
 def _cpuinfo(field: str) -> list[str]:
     """The words of /proc/cpuinfo's first `field` line (empty where there is none), read once a process."""
@@ -137,6 +145,7 @@ def _build() -> ctypes.CDLL | None:
     flags = FLAGS + [f"-DPREFETCH={_prefetch()}", f"-DATTN_ROWS={_attention_rows(path)}"]
     flags += ["-mavx512f", "-mavx512bf16"] if path in ("pairs", "amx") else []
     flags += ["-mavx512f", "-DSELFSPEC_AVX512"] if path == "avx512" else []
+    flags += ["-mavx512bw", "-mavx512vnni", "-DSELFSPEC_VNNI"] if vnni(path) else []
     flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []
     sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
     text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])

@@ -120,3 +120,77 @@ def test_weight_prefetch_changes_no_result(monkeypatch):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+def _int8_case(rows, out_features, in_features, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    scale = (torch.rand(out_features, generator=g) / 100).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    return x, w, scale, bias
+
+
+def test_int8_rows_are_the_same_whatever_the_rows_and_threads_beside_it(path):
+    x, w, scale, _ = _int8_case(gemv.MAX_ROWS, 200, 576, 2)
+    together = gemv.linear(x, w, scale=scale)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(0, gemv.MAX_ROWS - 1, 3):
+                assert torch.equal(gemv.linear(x[r:r + 1], w, scale=scale)[0], together[r])
+                assert torch.equal(gemv.linear(x[r:r + 2], w, scale=scale)[0], together[r])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _integer_reference(x, w, scale, bias):
+    """What the integer products compute, in exact integer and IEEE steps (kernels/product.h,
+    rows_vnni): each row of x as int16 at s = max|x| / 16383 (rounded to nearest even), the int64
+    sum of products, times s and the weight scale in double, then float32, + bias, bfloat16."""
+    xf = x.float()
+    s = xf.abs().amax(dim=1, keepdim=True) / 16383  # float32 division, as the kernel's
+    q = torch.where(s > 0, torch.round(xf / s), torch.zeros_like(xf)).long()
+    y = ((q @ w.long().t()).double() * s.double() * scale.double()).float() + bias.float()
+    return y.bfloat16()
+
+
+@pytest.fixture
+def vnni(monkeypatch):
+    if not gemv.vnni("avx512"):
+        pytest.skip("this CPU has no AVX512-VNNI (or AVX-512 BW): int8 weights take the float products")
+    monkeypatch.setenv("SELFSPEC_GEMV", "avx512")
+    monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
+
+
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (37, 100), (5, 31), (70, 1536)])
+def test_int8_integer_products_are_the_integer_reference_bit_for_bit(out_features, in_features, vnni):
+    """On the avx512 path with VNNI: exact integer sums, so the kernel's bits are a formula's,
+    the same on every CPU that runs it, for any rows, K tail and thread count."""
+    x, w, scale, bias = _int8_case(gemv.MAX_ROWS, out_features, in_features, 3)
+    x[1] = 0  # a row of zeros: its outputs are the bias
+    got = gemv.linear(x, w, bias, scale)
+    want = _integer_reference(x, w, scale, bias)
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], bias)
+    x[2, in_features // 2] = float("nan")  # a NaN stays in its row, as the float products keep it
+    got = gemv.linear(x[:4], w, bias, scale)
+    assert got[2].isnan().all() and torch.equal(got[[0, 1, 3]], want[[0, 1, 3]])
+
+
+def test_int8_on_avx512_without_vnni_still_matches(monkeypatch):
+    """SELFSPEC_VNNI=0 (and AVX-512 CPUs without VNNI) keep the 16-lane float FMAs for int8."""
+    if "avx512f" not in gemv._cpu_flags():
+        pytest.skip("this CPU has no AVX-512")
+    monkeypatch.setenv("SELFSPEC_GEMV", "avx512")
+    monkeypatch.setenv("SELFSPEC_VNNI", "0")
+    assert not gemv.vnni("avx512")
+    monkeypatch.setitem(gemv._STATE, "lib", gemv._build())
+    x, w, scale, bias = _int8_case(4, 37, 100, 4)
+    got = gemv.linear(x, w, bias, scale)
+    want = _reference(x, w, bias, scale)
+    torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+    assert not torch.equal(got, _integer_reference(x, w, scale, bias))  # the float products, not the integer ones
+    for r in range(4):
+        assert torch.equal(gemv.linear(x[r:r + 1], w, bias, scale)[0], got[r])
