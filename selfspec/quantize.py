@@ -1,11 +1,14 @@
-"""Weight-only quantization. int8: each decoder layer's linear weights as int8 with one scale per
-output channel, multiplied by PyTorch's own int8 weight-only kernel (`_weight_int8pack_mm`).
+"""Weight-only quantization. int8: each decoder layer's linear weights and the LM head as int8 with
+one scale per output channel, multiplied by selfspec's product kernel (selfspec.gemv) where it runs,
+else by PyTorch's own int8 weight-only kernel (`_weight_int8pack_mm`).
 
 Activations stay in the model's float dtype (bfloat16); a matrix product reads a quarter of the
-float32 bytes, which is what a memory-bound decode step costs. Embeddings, norms and the LM head
-keep their float weights (the head is tied to the embedding in the bundled models). Draft and
-verify run the same quantized model, so self-speculative output stays identical to this int8
-model's own AR output; it is not float32's output.
+float32 bytes, which is what a memory-bound decode step costs. (On CPUs with AVX512-VNNI and no
+AVX512-BF16 the kernel multiplies each activation row as int16, exactly; see kernels/product.h.)
+The head is int8 too, a copy where it is tied to the embedding (as in the bundled models);
+embeddings and norms keep their float weights. Draft and verify run the same quantized model, so
+self-speculative output stays identical to this int8 model's own AR output; it is not float32's
+output.
 """
 
 from __future__ import annotations
@@ -61,8 +64,12 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
 
 
 def quantize_int8(hf_model: torch.nn.Module) -> int:
-    """Replace every nn.Linear inside the decoder layers by an Int8Linear, in place (the model must
-    already be in ACTIVATION_DTYPE). Returns how many were replaced."""
+    """Replace every nn.Linear inside the decoder layers, and the LM head, by an Int8Linear, in
+    place (the model must already be in ACTIVATION_DTYPE). Returns how many decoder-layer
+    projections were replaced. The head is a fifth of SmolLM2-135M's weights and a third of its
+    int8 bytes with a bfloat16 head; int8 halves its stream, as int4 models' head already is. A
+    head tied to the embedding leaves the embedding bfloat16 (the int8 head is a copy: +vocab ×
+    hidden bytes)."""
     if hf_model.dtype != ACTIVATION_DTYPE:
         raise ValueError(f"load the model in {ACTIVATION_DTYPE} before quantizing it to int8, not {hf_model.dtype}")
     count = 0
@@ -73,6 +80,7 @@ def quantize_int8(hf_model: torch.nn.Module) -> int:
                 parent = layer.get_submodule(parent_name) if parent_name else layer
                 setattr(parent, child, Int8Linear.from_linear(module, ACTIVATION_DTYPE))
                 count += 1
+    hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
     return count
 
 
