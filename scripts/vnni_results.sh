@@ -28,3 +28,13 @@ kill $busy
 # bfloat16 and int8 AR and auto in one run each, for the absolute figures side by side.
 .venv/bin/selfspec bench --method auto --threads 2 -n 64 --no-hf --repeats 2 \
   --markdown "$out/bench_bf16_beside_int8.md" > "$out/bench_bf16_beside_int8.out" 2>&1
+# The kernel's arithmetic alone (a matrix held in cache, one thread), both builds, twice.
+for i in 1 2; do
+  for V in "-mavx512bw -mavx512vnni -DSELFSPEC_VNNI" ""; do
+    g++ -O3 -std=c++17 -mavx2 -mfma -ffp-contract=off -fopenmp -mavx512f -DSELFSPEC_AVX512 $V -I selfspec/kernels \
+      -o /tmp/vnni_timing scripts/vnni_timing.cpp && /tmp/vnni_timing
+  done
+done > "$out/vnni_timing.out"
+# Why x is int16 and not int8: greedy and teacher-forced agreement with float32 of int8 weights
+# with x in bfloat16, in int8 (one scale a row, or one per block) and in int16 (one scale a row).
+.venv/bin/python scripts/activation_quant_quality.py > "$out/activation_quant_quality.out" 2>&1

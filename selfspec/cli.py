@@ -23,7 +23,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
                    help="weights and activations dtype (default auto: bfloat16 on CUDA and where selfspec's product "
                         "kernel runs (x86 with AVX2 and g++) or the CPU computes it natively; else float32); "
-                        "int8: int8 weights with one scale per output channel and bfloat16 activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), "
+                        "int8: int8 weights (the head too) with one scale per output channel and bfloat16 activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), "
                         "an int8 head, bfloat16 activations; lossless is relative to AR in the same dtype")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step with torch.compile, once per row bucket, cached on disk (default: "

@@ -11,7 +11,9 @@ Exactness: every output element is one thread's sum in one fixed order, the same
 number of rows in the call or the thread count, so a verify's rows equal the AR step's rows bit for
 bit. (Across CPUs: the AVX2 path rounds alike on every x86 CPU; CPUs with AVX512-BF16 take the
 pair-dot-product path for bfloat16 weights, CPUs with AVX-512 but not those the 16-lane AVX-512
-path, and CPUs with AMX the tile products: each rounds its own way.)
+path, and CPUs with AMX the tile products: each rounds its own way. int8 weights on the AVX-512
+path of a CPU with AVX512-VNNI are exact integer sums of x as int16 rows, `vnni`: the same bits
+on every such CPU.)
 
 Built once per machine with g++ (about 3 s with the fused layer) into the selfspec cache and loaded with ctypes;
 without g++, AVX2 or FMA, or with SELFSPEC_GEMV=0, `available()` is False and the lean step keeps
