@@ -4,7 +4,9 @@ is unsure of. Interleaves AR and each policy per prompt, so drift in this machin
 alike; prints tokens/s, × AR, α, tokens per round and rounds, and checks every output equals AR's.
 Policies "hybrid:γ:n[:N[:m]]" are prompt lookup from a suffix match of n..N tokens (N default 3), else
 the feature head's one token (its m likeliest as siblings, one verify: m default 1, a chain), with
-no payoff gates; "sib:m" is the feature head's m likeliest first tokens as siblings alone.
+no payoff gates; "hybridc:γ:n:f:θ" is the same lookup, else a feature chain of up to f tokens that
+stops after a token of draft probability below θ; "sib:m" is the feature head's m likeliest first
+tokens as siblings alone.
 
     .venv/bin/python scripts/feature_policy_sweep.py [-n 64] [--repeats 2]
 """
@@ -20,12 +22,14 @@ from selfspec import gemv
 from selfspec.bench import load_prompts
 
 
-def hybrid(model, draft_len: int, min_ngram: int, ngram: int = 3, siblings: int = 1):
+def hybrid(model, draft_len: int, min_ngram: int, ngram: int = 3, siblings: int = 1,
+           feature_len: int = 1, threshold: float | None = None):
     from selfspec.drafters import DRAFTERS
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.lookup import PromptLookup
 
-    feature = DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=1, siblings=siblings)
+    feature = DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=feature_len, siblings=siblings,
+                                  threshold=threshold)
     lookup = PromptLookup(draft_len=draft_len, ngram=max(ngram, min_ngram), min_ngram=min_ngram)
     return Hybrid(lookup, feature, gate=False)
 
@@ -37,6 +41,8 @@ def label(p: tuple) -> str:
         return f"feature γ≤{p[1]} threshold {p[2]}"
     if p[0] == "sib":
         return f"feature, {p[1]} siblings"
+    if p[0] == "hybridc":
+        return f"lookup γ≤{p[1]} (suffix {p[2]}..3), else feature γ≤{p[3]} threshold {p[4]}"
     longest = p[3] if len(p) > 3 else 3
     first = f"feature's {p[4]} siblings" if len(p) > 4 and p[4] > 1 else "feature γ=1"
     return f"lookup γ≤{p[1]} (suffix {p[2]}..{max(p[2], longest)}), else {first}"
@@ -64,6 +70,8 @@ def main() -> None:
         parts = p.split(":")
         if parts[0] == "hybrid":  # hybrid:γ:min n-gram[:longest n-gram[:siblings]]
             policies.append(("hybrid", int(parts[1]), int(parts[2]), *(int(x) for x in parts[3:])))
+        elif parts[0] == "hybridc":  # hybridc:γ:min n-gram:feature γ:threshold
+            policies.append(("hybridc", int(parts[1]), int(parts[2]), int(parts[3]), float(parts[4])))
         elif parts[0] == "sib":
             policies.append(("sib", int(parts[1]), None))
         else:
@@ -71,6 +79,7 @@ def main() -> None:
     from selfspec.drafters import DRAFTERS
 
     drafters = {p: hybrid(model, *p[1:]) for p in policies if p[0] == "hybrid"}
+    drafters.update({p: hybrid(model, p[1], p[2], feature_len=p[3], threshold=p[4]) for p in policies if p[0] == "hybridc"})
     drafters.update({p: DRAFTERS["feature"](profile={}, identity=model.identity, draft_len=1, siblings=p[1])
                      for p in policies if p[0] == "sib"})
     totals = {p: [0.0, 0, 0, 0, 0, 0] for p in policies}  # seconds, tokens, drafted, accepted, rounds, identical
@@ -79,9 +88,9 @@ def main() -> None:
             reference = None
             for p in policies:
                 method, g, t = p[:3]
-                options = dict(method=method, max_new_tokens=args.n)
-                if method in ("hybrid", "sib"):
-                    options = dict(drafter=drafters[p], max_new_tokens=args.n)
+                options = {"method": method, "max_new_tokens": args.n}
+                if method in ("hybrid", "hybridc", "sib"):
+                    options = {"drafter": drafters[p], "max_new_tokens": args.n}
                 elif method != "ar":
                     options.update(draft_len=g, threshold=t)
                 out = model.generate(prompt, **options)
