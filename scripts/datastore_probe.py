@@ -3,7 +3,8 @@ shipped feature head? Measured offline, on held-out prompts' greedy outputs, pos
 
 1. Greedy outputs of the calibration prompts (scripts/calibration_prompts.py: Spec-Bench minus
    the benchmark and tune questions) and of the held-out ones (the benchmark subset and tune's
-   calibration prompts), batched through transformers' generate() in float32; cached as JSON.
+   calibration prompts), batched through transformers' generate() in float32
+   (`selfspec.train.self_generated`); cached as JSON.
 2. A datastore from the training outputs: every n-gram (n = 1..4) of output tokens -> counts of
    the token that followed.
 3. At every held-out output position: the draft of prompt lookup (suffix match of 2..3 tokens in
@@ -20,8 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
-import time
 from importlib import resources
 from pathlib import Path
 
@@ -29,41 +28,21 @@ import numpy as np
 import torch
 
 import selfspec
-from selfspec.calibrate import left_padded, length_batches
 from selfspec.drafters.lookup import find_draft
-from selfspec.feature_calibrate import Student
+from selfspec.feature_calibrate import Student, _teacher_forced
 from selfspec.feature_head import load_feature_head, shipped_path
 from selfspec.profiles import ModelIdentity
+from selfspec.train import self_generated
 
 HELD_OUT = ("spec_bench_subset.jsonl", "calibration.jsonl")
 N = 4  # the datastore's longest n-gram
 CHAIN = 3  # draft length scored for chains
 
 
-def greedy_outputs(model, texts: list[str], n_new: int) -> list[dict]:
-    from transformers import GenerationConfig
-
-    prompts = [model.encode(t) for t in texts]
-    eos = sorted(model.eos_ids)
-    config = GenerationConfig(do_sample=False, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=eos[0])
-    out, done, t0 = [None] * len(prompts), 0, time.time()
-    for batch in length_batches(prompts, 32, 8192):
-        ids, mask = left_padded([prompts[i] for i in batch], eos[0])
-        with torch.no_grad():
-            generated = model.hf_model.generate(ids, attention_mask=mask, generation_config=config)
-        for row, i in enumerate(batch):
-            tokens = generated[row, ids.shape[1]:].tolist()
-            n = next((j for j, t in enumerate(tokens) if t in model.eos_ids), len(tokens))
-            out[i] = {"prompt": prompts[i].tolist(), "output": tokens[:n + 1]}
-        done += len(batch)
-        print(f"generate {done}/{len(prompts)} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    return out
-
-
 def cached_outputs(model, texts: list[str], n_new: int, path: Path) -> list[dict]:
     if path.is_file():
         return json.loads(path.read_text())
-    out = greedy_outputs(model, texts, n_new)
+    out = [{"prompt": d.ids[:d.first], "output": d.ids[d.first:]} for d in self_generated(model, texts, n_new)]
     path.write_text(json.dumps(out))
     return out
 
@@ -118,10 +97,7 @@ def positions(model, store, sequences: list[dict]) -> list[dict]:
         seq = torch.tensor(r["prompt"] + r["output"])
         p = len(r["prompt"])
         embedded = a.embed(seq[None]).float()
-        cache = a.new_cache(seq.numel())
-        cache.keep_exit_states(a.n_layers, a.embed_tokens.embedding_dim)
-        a.run_layers(embedded.to(a.dtype), range(a.n_layers), 0, cache)
-        final = cache.exit_states[:seq.numel()].float()
+        final = _teacher_forced(a, seq, p, 0).final.float()
         previous = torch.cat([final.new_zeros(1, final.shape[1]), final[:-1]])
         probs = student.logits(head(previous[None], embedded)[0])[:, :-1].softmax(-1)
         conf, index = probs.max(-1)

@@ -42,7 +42,7 @@ def label(p: tuple) -> str:
     if p[0] == "sib":
         return f"feature, {p[1]} siblings"
     if p[0] == "hybridc":
-        return f"lookup γ≤{p[1]} (suffix {p[2]}..3), else feature γ≤{p[3]} threshold {p[4]}"
+        return f"lookup γ≤{p[1]} (suffix {p[2]}..{max(p[2], 3)}), else feature γ≤{p[3]} threshold {p[4]}"
     longest = p[3] if len(p) > 3 else 3
     first = f"feature's {p[4]} siblings" if len(p) > 4 and p[4] > 1 else "feature γ=1"
     return f"lookup γ≤{p[1]} (suffix {p[2]}..{max(p[2], longest)}), else {first}"
