@@ -128,8 +128,12 @@ class Decoding:
         self.sync()
         self.stats.prefill_s = time.perf_counter() - self._t0
         if measure_step:  # c's denominator, at this context length (attention grows with it)
-            self.stats.step_s = step_time(adapter, self.cache, position=n)
-            self._t0 = time.perf_counter() - self.stats.prefill_s  # the probe is not decoding time
+            if getattr(self.drafter, "needs_step_time", False):  # a payoff gate compares with it
+                self.stats.step_s = step_time(adapter, self.cache, position=n)
+                self._t0 = time.perf_counter() - self.stats.prefill_s  # the probe is not decoding time
+            else:  # measured when c is first read, in a cache of its own, not before the first token
+                capacity, model = self.cache.capacity, weakref.ref(adapter)  # results don't keep the model
+                self.stats.step_probe = lambda: _probe_step(model(), capacity, n)
         return self._commit([int(first)])
 
     def draft(self) -> Draft:
@@ -236,6 +240,14 @@ def step_time(adapter: ModelAdapter, cache: KVCache, position: int) -> float:
     if bucket not in times:
         times[bucket] = measure_step_time(adapter, cache, position)
     return times[bucket]
+
+
+@torch.inference_mode()
+def _probe_step(adapter: ModelAdapter | None, capacity: int, position: int) -> float | None:
+    """`step_time` after the generation, in a scratch cache of the generation's capacity (the same
+    attention span in exact mode), so the generation's own cache is neither kept nor touched.
+    None once the model is gone."""
+    return None if adapter is None else step_time(adapter, adapter.new_cache(capacity), position)
 
 
 def measure_step_time(adapter: ModelAdapter, cache: KVCache, position: int, repeats: int = 3) -> float:

@@ -12,6 +12,7 @@ Terms, defined once for the whole package:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 
@@ -32,7 +33,10 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     wall_s: float = 0.0  # prefill + all rounds, the figure tokens/s divides by
-    step_s: float | None = None  # one full one-token forward, measured, for c
+    step_s: float | None = None  # one full one-token forward, measured, for c (see measured_step_s)
+    # Measures step_s when first asked for (`measured_step_s`), so that a generation whose c is
+    # never read, or is read after its last token, does not wait for the probe's forwards.
+    step_probe: Callable[[], float | None] | None = field(default=None, repr=False, compare=False)
     search_s: float = 0.0  # time adaptive drafters spent choosing layers (not in draft_s)
     searches: int = 0  # how many times they did
     kv_cache_bytes: int = 0  # the one KV cache this generation allocated (draft and verify share it)
@@ -59,7 +63,7 @@ class GenerationStats:
         the drafted-token-weighted mean, so `cost` stays total draft time over the full-forward
         time the same tokens would have taken."""
         if other.drafted:
-            weight = self.drafted * (self.step_s or 0.0) + other.drafted * (other.step_s or 0.0)
+            weight = self.drafted * (self.measured_step_s() or 0.0) + other.drafted * (other.measured_step_s() or 0.0)
             self.step_s = weight / (self.drafted + other.drafted)
         for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted",
                      "prefill_s", "draft_s", "verify_s", "wall_s", "search_s", "searches",
@@ -69,6 +73,13 @@ class GenerationStats:
             mine += [0] * (len(theirs) - len(mine))
             for i, count in enumerate(theirs):
                 mine[i] += count
+
+    def measured_step_s(self) -> float | None:
+        """step_s, running the pending probe first if there is one (once)."""
+        if self.step_s is None and self.step_probe is not None:
+            probe, self.step_probe = self.step_probe, None
+            self.step_s = probe()
+        return self.step_s
 
     @property
     def alpha(self) -> float | None:
@@ -90,12 +101,14 @@ class GenerationStats:
     @property
     def cost(self) -> float | None:
         """c: draft time per drafted token over one full forward's time."""
-        if not self.drafted or not self.step_s:
+        if not self.drafted or not self.measured_step_s():
             return None
         return (self.draft_s / self.drafted) / self.step_s
 
     def to_dict(self) -> dict:
+        self.measured_step_s()
         out = asdict(self)
+        del out["step_probe"]
         out.update(
             alpha=self.alpha,
             acceptance_by_position=self.acceptance_by_position,

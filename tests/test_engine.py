@@ -136,3 +136,44 @@ def test_merged_stats_aggregate_alpha_and_cost_over_generations():
     assert total.drafted_at == [6, 6, 4] and total.accepted_at == [4, 2, 1]
     # c = all draft time / what the same 16 tokens would cost at full depth (12·0.2 + 4·0.4)
     assert abs(total.cost - 2.0 / (12 * 0.2 + 4 * 0.4)) < 1e-12
+
+
+def test_step_probe_waits_until_c_is_read_and_runs_once(tiny, monkeypatch):
+    """The step c divides by is not measured before the first token: the probe runs when c is
+    first read, in a scratch cache, once per context bucket; a gated hybrid still measures it first."""
+    import json
+
+    from selfspec import engine
+    from selfspec.drafters.early_exit import EarlyExit
+    from selfspec.drafters.hybrid import Hybrid
+    from selfspec.drafters.lookup import PromptLookup
+
+    model = tiny("llama")
+    calls = []
+    real = engine.measure_step_time
+    monkeypatch.setattr(engine, "measure_step_time", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    engine._STEP_TIMES.pop(model.adapter, None)
+    out = model.generate(PROMPT, method="early-exit", exit_layer=2, draft_len=3, max_new_tokens=12)
+    assert calls == [] and out.stats.step_s is None and out.stats.step_probe is not None
+    assert out.stats.cost is not None and out.stats.cost > 0 and calls == [len(PROMPT)]
+    assert out.stats.step_probe is None and out.stats.step_s > 0
+    json.dumps(out.stats.to_dict())  # no probe left in what is reported
+    again = model.generate(PROMPT, method="early-exit", exit_layer=2, draft_len=3, max_new_tokens=12)
+    assert again.tokens == out.tokens and again.stats.cost is not None and calls == [len(PROMPT)]  # cached
+    ar = model.generate(PROMPT, method="ar", max_new_tokens=12)
+    assert ar.stats.step_probe is None and ar.tokens == out.tokens  # AR drafts nothing: no probe at all
+
+    engine._STEP_TIMES.pop(model.adapter, None)
+    gated = Hybrid(PromptLookup(draft_len=3), EarlyExit(2, 3), gate=True)
+    out = model.generate(PROMPT, drafter=gated, max_new_tokens=12)
+    assert out.stats.step_s is not None and out.stats.step_probe is None  # measured before decoding
+    assert out.tokens == ar.tokens and calls == [len(PROMPT), len(PROMPT)]
+
+
+def test_merged_stats_run_pending_step_probes():
+    from selfspec.stats import GenerationStats
+
+    a = GenerationStats("early-exit", 2, 3, drafted=4, draft_s=0.4, step_probe=lambda: 0.5)
+    total = GenerationStats("early-exit", 2, 3)
+    total.merge(a)
+    assert a.step_s == 0.5 and a.step_probe is None and total.cost == 0.4 / 4 / 0.5

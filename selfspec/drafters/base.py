@@ -2,7 +2,9 @@
 
 A drafter proposes γ tokens after the pending token (committed, not yet fed to the model).
 Lifecycle, the same for every drafter: `begin` once per generation, then per round `propose`
-and `observe(n_accepted)`. Adaptive drafters learn in `observe`; static ones ignore it.
+and `observe(n_accepted)`. Adaptive drafters learn in `observe`; static ones ignore it. A drafter
+that reads `stats.step_s` while it drafts (the hybrid's payoff gates) sets `needs_step_time`; for
+the others the engine measures that step only when c is first read, after the last token.
 """
 
 from __future__ import annotations

@@ -65,6 +65,12 @@ class Hybrid:
         self.model_rounds = 0
         self._source: Drafter | None = None
 
+    @property
+    def needs_step_time(self) -> bool:
+        """The engine measures a step before decoding for drafters that say so: the gates compare
+        each source's rate with one token a step."""
+        return self.gates is not None
+
     def begin(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         self.lookup.begin(ctx)
