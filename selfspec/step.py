@@ -40,6 +40,19 @@ import torch.nn.functional as F
 from selfspec import fused_layer, gemv, wide_product
 from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, int4_linear, int8_linear
 
+# A prompt of up to this many tokens prefills through the fused layer, 16 rows a call as a verify
+# does, where PyTorch's bfloat16 GEMM is emulated (no AVX512-BF16 or AMX): there selfspec's kernel
+# is faster for few rows (36 rows of SmolLM2's 120 layer matrices, Ice Lake Xeon, 2 threads:
+# 124 against 170 ms; scripts/prefill_chunks.py). SELFSPEC_PREFILL_CHUNKS=N sets it, 0 turns it off.
+PREFILL_CHUNKS = int(os.environ.get("SELFSPEC_PREFILL_CHUNKS", "40"))
+
+
+def _chunks_pay(h: torch.Tensor, n: int) -> bool:
+    """Whether n rows of h (more than one fused call takes) run faster as fused calls of 16."""
+    return (n <= PREFILL_CHUNKS and h.dtype == torch.bfloat16 and not gemv.needs_grad(h)
+            and not gemv.native_bfloat16())
+
+
 BUCKETS = (1, 2, 4, 8, 16)
 DECODE_ROWS = BUCKETS[-1]
 SPAN = 64  # attention spans are multiples of this many cache slots  # the most rows a draft or verify forward runs compiled
@@ -389,6 +402,10 @@ class LeanStep:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
         if self.fused is not None and n <= fused_layer.ROWS and not gemv.needs_grad(h):  # no padding there
             return self.fused.run(h, layers, start, cache, skip, siblings)
+        if self.fused is not None and not siblings and _chunks_pay(h, n):  # a short prefill, as verifies
+            rows = fused_layer.ROWS
+            return torch.cat([self.fused.run(h[:, i:i + rows], layers, start + i, cache, skip)
+                              for i in range(0, n, rows)], dim=1)
         if siblings:
             raise ValueError("sibling rows run only in the fused layer (ModelAdapter.runs_siblings)")
         rows = self.rows(n)

@@ -170,3 +170,37 @@ def test_which_models_run_fused(monkeypatch):
     monkeypatch.setenv("SELFSPEC_FUSED", "0")
     assert SelfSpecModel(tiny_model("llama")).adapter.step.fused is None
     assert "SELFSPEC_FUSED=0" in fused_layer.unsupported_reason(SelfSpecModel(tiny_model("llama")).adapter.step)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_short_prefill_runs_as_fused_calls_of_16_where_bfloat16_is_emulated(arch, int8, monkeypatch):
+    """A prompt of 17..PREFILL_CHUNKS tokens prefills as 16-row fused calls, one after another (each
+    attending to the keys the ones before it wrote, past every tiny sliding window), where PyTorch's
+    bfloat16 GEMM is emulated; its logits are PyTorch's prefill's within bfloat16 rounding, and every
+    drafter still equals AR. Where bfloat16 is native, PyTorch's path keeps the prefill."""
+    from selfspec import step
+
+    model = _model(arch, torch.bfloat16, int8=int8)
+    adapter = model.adapter
+    calls = []
+    real = adapter.step.fused.run
+    monkeypatch.setattr(adapter.step.fused, "run", lambda h, *a, **k: calls.append(h.shape[1]) or real(h, *a, **k))
+    monkeypatch.setattr(step, "PREFILL_CHUNKS", 40)
+    ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(5))
+
+    monkeypatch.setattr(gemv, "native_bfloat16", lambda: True)
+    native = _logits(adapter, ids, 37)
+    assert calls == []
+    monkeypatch.setattr(gemv, "native_bfloat16", lambda: False)
+    chunked = _logits(adapter, ids, 37)
+    assert calls == [16, 16, 5]
+    assert (chunked - native).abs().max() < 0.05 * native.abs().max()
+    monkeypatch.setattr(step, "PREFILL_CHUNKS", 36)  # longer prompts keep PyTorch's path
+    assert torch.equal(_logits(adapter, ids, 37), native) and calls == [16, 16, 5]
+
+    monkeypatch.setattr(step, "PREFILL_CHUNKS", 40)
+    prompt = ids.tolist()
+    assert_greedy_lossless(model, prompt, n=24, method="early-exit", exit_layer=2, draft_len=3)
+    assert_greedy_lossless(model, prompt, n=24, method="lookup", draft_len=3)
+    assert calls[3:5] == [16, 16]  # the generations prefilled in chunks too
