@@ -217,6 +217,9 @@ def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP) -> int:
 def float_weight(linear: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` of a linear layer's weight [out, in], in its activation dtype, whatever the
     weight is stored as (a new tensor)."""
+    # index_select, not w[rows]: ~20x faster on CPU for bfloat16 rows (SmolLM2's head, 16,384 rows:
+    # 2.8 against 56 ms, paid at a feature drafter's first begin).
     if isinstance(linear, Int8Linear):
-        return (linear.weight[rows].float() * linear.scale[rows].float()[:, None]).to(linear.scale.dtype)
-    return linear.weight.detach()[rows].contiguous()
+        weight, scale = linear.weight.index_select(0, rows), linear.scale.index_select(0, rows)
+        return (weight.float() * scale.float()[:, None]).to(linear.scale.dtype)
+    return linear.weight.detach().index_select(0, rows)
