@@ -180,7 +180,7 @@ def load_feature_head(path: str | Path, identity: ModelIdentity) -> tuple[Featur
     """The head in `path` and its draft token ids, refused unless it was trained for this model."""
     header = read_header(path)
     tagged_file.check_identity(header, identity, path, "feature head", "`selfspec calibrate --head feature`")
-    with torch.device("meta"):  # no random init of weights the file replaces (~20 ms a load)
+    with torch.device("meta"):  # no random init of weights the file replaces
         head = FeatureHead(header["hidden_size"], header["n_layers"], header["heads"], header["head_dim"],
                            header["width"], rope_theta=header["rope_theta"])
     tensors = load_file(str(path))

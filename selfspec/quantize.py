@@ -217,8 +217,8 @@ def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP) -> int:
 def float_weight(linear: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` of a linear layer's weight [out, in], in its activation dtype, whatever the
     weight is stored as (a new tensor)."""
-    # index_select, not w[rows]: ~20x faster on CPU for bfloat16 rows (SmolLM2's head, 16,384 rows:
-    # 2.8 against 56 ms, paid at a feature drafter's first begin).
+    # index_select, not w[rows]: advanced indexing of bfloat16 rows is far slower on CPU, and a
+    # feature drafter's first begin pays it before the prefill (scripts/first_generate.py's setup).
     if isinstance(linear, Int8Linear):
         weight, scale = linear.weight.index_select(0, rows), linear.scale.index_select(0, rows)
         return (weight.float() * scale.float()[:, None]).to(linear.scale.dtype)

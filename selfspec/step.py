@@ -42,8 +42,9 @@ from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, int4_linear, in
 
 # A prompt of up to this many tokens prefills through the fused layer, 16 rows a call as a verify
 # does, where PyTorch's bfloat16 GEMM is emulated (no AVX512-BF16 or AMX): there selfspec's kernel
-# is faster for few rows (36 rows of SmolLM2's 120 layer matrices, Ice Lake Xeon, 2 threads:
-# 124 against 170 ms; scripts/prefill_chunks.py). SELFSPEC_PREFILL_CHUNKS=N sets it, 0 turns it off.
+# is faster for few rows (SmolLM2's whole prefill, Ice Lake Xeon, 2 threads: 0.54-0.70x at 36
+# tokens, 0.91-1.34x at 64; scripts/prefill_chunks.py, results/intel_avx512/prefill_chunks.out).
+# SELFSPEC_PREFILL_CHUNKS=N sets it, 0 turns it off.
 PREFILL_CHUNKS = int(os.environ.get("SELFSPEC_PREFILL_CHUNKS", "40"))
 
 
