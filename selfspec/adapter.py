@@ -10,6 +10,7 @@ glue (rotary, cache write, masked SDPA) is ours, so that it reads and writes our
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -99,13 +100,18 @@ class ModelAdapter:
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.step: LeanStep | None = None  # the lean step, once `lean()` turned it on
+        self._cache_pool: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # capacity -> free storage
 
-    def lean(self, *, compile: bool = False, exact_rows: int | None = None, backend=None) -> LeanStep:
+    def lean(self, *, compile: bool = False, exact_rows: int | None = None, backend=None,
+             graph_factory=None) -> LeanStep:
         """Route plain layer runs (every draft and verify that writes the cache) through the lean
         step (selfspec.step): fused weights, one attention call over the static cache, eager or
-        compiled per row bucket. exact_rows: run every forward in that many rows (exact mode)."""
-        if backend is not None or self.step is None or (self.step.compile, self.step.exact_rows) != (compile, exact_rows):
-            self.step = LeanStep(self, compile=compile, exact_rows=exact_rows, backend=backend)
+        compiled per row bucket. exact_rows: run every forward in that many rows (exact mode).
+        graph_factory: capture exact mode's forwards with it (a CPU stand-in for CUDA graphs, tests)."""
+        if (backend is not None or graph_factory is not None or self.step is None
+                or (self.step.compile, self.step.exact_rows) != (compile, exact_rows)):
+            self.step = LeanStep(self, compile=compile, exact_rows=exact_rows, backend=backend,
+                                 graph_factory=graph_factory)
         return self.step
 
     @property
@@ -127,10 +133,17 @@ class ModelAdapter:
             # One scratch slot for padding rows; compiled, capacities rounded up so that compiled
             # code (specialised on the cache's shape) is shared by generations of similar length.
             capacity += 1
-            if self.step.compile:
+            if self.step.compile or self.step.graphs is not None:  # graphs: keyed by the cache, too
                 capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         self._ensure_rope(capacity)
-        cache = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype=self.dtype, device=self.device)
+        pooled = self.step is not None and self.step.graphs is not None
+        # Graphed forwards are keyed by the cache's address: a cache that is no longer used returns
+        # its storage to a pool, and the next generation of that capacity reuses it and its graphs.
+        free = self._cache_pool.setdefault(capacity, []) if pooled else []
+        cache = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype=self.dtype, device=self.device,
+                        storage=free.pop() if free else None)
+        if pooled:
+            weakref.finalize(cache, free.append, (cache.keys, cache.values))
         if self.step is not None and self.step.compile and self.device.type == "cuda":
             # CUDA graphs replay fixed addresses: the cache, which every layer writes in place,
             # is a static input, not one copied in and out of the graph. (Coded; not yet measured.)

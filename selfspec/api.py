@@ -280,7 +280,7 @@ class SelfSpecModel:
         if not section:
             if exit_layer is not None or draft_len is not None:  # knobs of a draft: the user asks for one
                 return "early-exit", exit_layer, draft_len
-            shipped = shipped_choice(self.identity, self.dtype_name)
+            shipped = shipped_choice(self.identity, self.dtype_name, self.adapter.device.type)
             # the CPU features the shipped choice was measured faster on, if it names them
             features = [gemv.PATH_NAMES.get(path, path) for path in (shipped or {}).get("kernel_paths") or []]
             if shipped is not None and not runs_here(shipped):

@@ -27,13 +27,23 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         # [layer, batch=1, kv_heads, capacity, head_dim]. Zeros, not empty: the lean step attends over
         # the whole capacity with a mask, and a masked slot holding NaN would still poison the
         # weighted sum (0 · NaN); every slot written later holds finite values.
+        # storage: an earlier cache's (keys, values) of this shape, zeroed and reused (CUDA graphs
+        # replay fixed addresses: selfspec.cuda_graphs).
         shape = (n_layers, 1, n_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        if storage is None:
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.keys, self.values = storage
+            if self.keys.shape != shape or self.values.shape != shape:
+                raise ValueError(f"cache storage of shape {tuple(self.keys.shape)} does not fit {shape}")
+            self.keys.zero_()
+            self.values.zero_()
         self.capacity = capacity
         self.length = 0
         self.exit_layer: int | None = None  # k whose exit states are kept, None: none

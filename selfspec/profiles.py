@@ -94,13 +94,15 @@ def save_section(identity: ModelIdentity, section: str, content: dict, path: str
     return path
 
 
-def shipped_choice(identity: ModelIdentity, dtype: str | None) -> dict | None:
-    """The configuration shipped in selfspec/data/shipped_profiles.json for this model and dtype
-    (method, exit_layer, draft_len, measured), or None: what `auto` runs before any tune here."""
+def shipped_choice(identity: ModelIdentity, dtype: str | None, device: str = "cpu") -> dict | None:
+    """The configuration shipped in selfspec/data/shipped_profiles.json for this model, dtype and
+    device type (method, exit_layer, draft_len, measured), or None: what `auto` runs before any
+    tune here. Entries keyed by the dtype alone were measured on CPUs; "dtype@cuda" on a GPU."""
     from importlib import resources
 
     table = json.loads(resources.files("selfspec").joinpath("data/shipped_profiles.json").read_text())
-    return table.get(identity.slug(), {}).get(dtype or "")
+    key = dtype or ""
+    return table.get(identity.slug(), {}).get(key if device == "cpu" else f"{key}@{device}")
 
 
 def runs_here(choice: dict) -> bool:

@@ -39,19 +39,24 @@ class Roofline:
         return text
 
 
-def measure_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
+def measure_bandwidth(megabytes: int = 512, repeats: int = 10, device: str | torch.device = "cpu") -> float:
     """Bytes per second of a streamed read (a sum over a buffer far larger than the caches), with
-    torch's current thread count; the best of `repeats`, as a step's weights stream best-case."""
-    buffer = torch.ones(megabytes * 2**20 // 4)
+    torch's current thread count (on a GPU: its memory); the best of `repeats`, as a step's
+    weights stream best-case."""
+    buffer = torch.ones(megabytes * 2**20 // 4, device=device)
+    sync = torch.cuda.synchronize if buffer.device.type == "cuda" else (lambda: None)
     buffer.sum()
     best = float("inf")
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         buffer.sum()
+        sync()
         best = min(best, time.perf_counter() - t)
     return buffer.numel() * 4 / best
 
 
 def roofline(hf_model, step_s: float | None = None, bandwidth: float | None = None) -> Roofline:
     sizes = weight_bytes(hf_model)
-    return Roofline(sizes["layers"], sizes["head"], bandwidth or measure_bandwidth(), step_s)
+    device = next(hf_model.parameters()).device
+    return Roofline(sizes["layers"], sizes["head"], bandwidth or measure_bandwidth(device=device), step_s)

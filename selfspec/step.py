@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec import fused_layer, gemv, wide_product
+from selfspec import cuda_graphs, fused_layer, gemv, wide_product
 from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, int4_linear, int8_linear
 
 # A prompt of up to this many tokens prefills through the fused layer, 16 rows a call as a verify
@@ -338,17 +338,18 @@ _NOTICE = {"said": False}
 FIRST_COMPILE_S = 15  # roughly, for SmolLM2's row buckets on a 2-core CPU (3-12 s measured: README)
 
 
-def compiled_layer(device_type: str, backend=None):
+def compiled_layer(device_type: str, backend=None, graphs: bool = False):
     """`layer_forward` compiled: one graph per row bucket (and per attention/MLP combination),
-    shared by every layer. On CUDA the graphs are captured (mode="reduce-overhead"). backend:
-    another torch.compile backend (tests count compiles with one)."""
+    shared by every layer. On CUDA the graphs are captured (mode="reduce-overhead"), unless the
+    caller captures whole forwards itself (graphs: selfspec.cuda_graphs). backend: another
+    torch.compile backend (tests count compiles with one)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
     # Dynamo keys compiled code by the function, so every model in the process shares these
     # entries: row buckets × attention/MLP combinations × cache capacities × models.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 256)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
-    mode = "reduce-overhead" if device_type == "cuda" else None
+    mode = "reduce-overhead" if device_type == "cuda" and not graphs else None
     if backend is not None:
         return torch.compile(layer_forward, backend=backend, dynamic=None)
     return torch.compile(layer_forward, mode=mode, dynamic=None)
@@ -357,7 +358,8 @@ def compiled_layer(device_type: str, backend=None):
 class LeanStep:
     """Runs layer subsets of a model through `layer_forward` on one sequence's static cache."""
 
-    def __init__(self, adapter, *, compile: bool = False, exact_rows: int | None = None, backend=None):
+    def __init__(self, adapter, *, compile: bool = False, exact_rows: int | None = None, backend=None,
+                 graph_factory=None):
         reason = unsupported_reason(adapter)
         if reason is not None:
             raise ValueError(f"the lean step does not support this model ({reason})")
@@ -379,7 +381,11 @@ class LeanStep:
         self.weights = [fuse_layer(layer, sandwich) for layer in adapter.layers]
         self.compile = compile
         self.exact_rows = exact_rows
-        self._fn = compiled_layer(adapter.device.type, backend) if compile else layer_forward
+        # Exact mode's decode forwards as CUDA graphs (on CUDA; graph_factory: a stand-in, tests).
+        graphs = exact_rows is not None and (graph_factory is not None or cuda_graphs.enabled(adapter.device))
+        self.graphs = cuda_graphs.StepGraphs(self, graph_factory or cuda_graphs.CudaGraph) if graphs else None
+        # Captured by those graphs, the compiled code must not capture graphs of its own.
+        self._fn = compiled_layer(adapter.device.type, backend, graphs=self.graphs is not None) if compile else layer_forward
         self._seen: set[tuple[int, bool, bool]] = set()
         # Decode forwards of up to fused_layer.ROWS rows as one kernel call per layer, where it runs.
         self.fused = fused_layer.FusedLayers(self) if fused_layer.unsupported_reason(self) is None else None
@@ -410,25 +416,37 @@ class LeanStep:
         if siblings:
             raise ValueError("sibling rows run only in the fused layer (ModelAdapter.runs_siblings)")
         rows = self.rows(n)
-        x = pad_rows(h[0], rows)
-        pos = torch.arange(start, start + rows, device=x.device)
-        pos[n:] = slot
         # Attend to the first `span` slots: all of them in exact mode (CPU attention kernels round
         # a row differently for different key lengths, even with the extra keys masked, so a row
         # must see one length in every forward: the cache's capacity, which exact mode makes the
         # same for every method), else the context rounded up, so that the attention reads what it
         # needs and compiled code sees few lengths (the length is a dynamic dimension).
         span = cache.capacity if self.exact_rows is not None else min(cache.capacity, -(-(start + n) // SPAN) * SPAN)
+        if self.graphs is not None and rows == self.exact_rows:  # every decode forward of exact mode
+            return self.graphs.run(h, layers, start, cache, skip, rows,
+                                   lambda x, pos, c: self._forward(x, pos, layers, c, skip, span, False, rows))
+        x = pad_rows(h[0], rows)
+        pos = torch.arange(start, start + rows, device=x.device)
+        pos[n:] = slot
+        # A prefill from position 0 attends causally over its own rows: no mask (None) for layers
+        # without a window, and PyTorch's flash kernel (~1.4x faster than a masked one over 997
+        # rows: scripts/kernel_timings.py). AR and speculation prefill alike: no exactness lost.
+        causal = start == 0 and rows == n
+        return self._forward(x, pos, layers, cache, skip, span, causal, n if self.shape.gemv else rows)[:n].unsqueeze(0)
+
+    def _forward(self, x: torch.Tensor, pos: torch.Tensor, layers: list[int], cache, skip, span: int, causal: bool,
+                 live: int) -> torch.Tensor:
+        """x [rows, hidden] at cache slots pos [rows] through `layers`, attending to the cache's
+        first `span` slots (causal: a prefill from slot 0, unmasked where no window applies).
+        Depends on nothing else that changes between calls: CUDA graphs replay it (cuda_graphs)."""
+        rows = x.shape[0]
         kv_pos = torch.arange(span, device=x.device)
         # The row count is a bucket: never let dynamo turn it into a dynamic size (each tensor
         # that carries the rows is marked static once, the hidden state after every layer).
         compiled = self.compile and (rows in BUCKETS or rows == self.exact_rows)
         static = torch._dynamo.mark_static if compiled else (lambda t, dim: None)
         static(pos, 0)
-        # A prefill from position 0 attends causally over its own rows: no mask (None) for layers
-        # without a window, and PyTorch's flash kernel (~1.4x faster than a masked one over 997
-        # rows: scripts/kernel_timings.py). AR and speculation prefill alike: no exactness lost.
-        masks = {None: None} if start == 0 and rows == n and not compiled else {}
+        masks = {None: None} if causal and not compiled else {}
         ropes = {}
         for i in layers:
             spec = self.adapter.specs[i]
@@ -456,12 +474,11 @@ class LeanStep:
                 static(x, 0)
             x = (self._fn if compiled else layer_forward)(
                 x, pos, masks[spec.window], *ropes[spec.rope], cache.keys[i, 0], cache.values[i, 0],
-                w.wqkv, w.bqkv, w.wo, w.wgu, w.wd, w.norms, w.qk_norms, w.scales, self.shape, do_attn, do_mlp,
-                n if self.shape.gemv else rows,
+                w.wqkv, w.bqkv, w.wo, w.wgu, w.wd, w.norms, w.qk_norms, w.scales, self.shape, do_attn, do_mlp, live,
             )
             if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache); padding to the scratch slot
                 cache.write_exit_states(pos, x)
-        return x[:n].unsqueeze(0)
+        return x
 
     def _note_compile(self, rows: int, do_attn: bool, do_mlp: bool) -> None:
         """Say once per process, before the first compile, what is happening and for how long."""

@@ -125,7 +125,7 @@ def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
     (auto,) = methods(["auto"])
     assert (auto.label, auto.method) == ("auto (no profile: ar)", "ar")
     shipped = {"method": "lookup", "exit_layer": None, "draft_len": 3, "measured": "1.4x"}
-    monkeypatch.setattr("selfspec.api.shipped_choice", lambda identity, dtype: shipped)
+    monkeypatch.setattr("selfspec.api.shipped_choice", lambda identity, dtype, device="cpu": shipped)
     (auto,) = methods(["auto"])
     assert (auto.label, auto.method, auto.draft_len) == ("auto (shipped: lookup γ=3)", "lookup", 3)
     assert [m.label for m in methods(["all"])][0] == "early-exit k=4 γ=4"  # no tune: no auto row

@@ -171,7 +171,7 @@ def test_auto_uses_the_shipped_choice_only_for_its_dtype(tiny, monkeypatch):
     model = tiny("llama")
     model.name = "shipped-tiny-llama"
     choice = {"method": "lookup", "exit_layer": None, "draft_len": 2, "measured": "a test"}
-    monkeypatch.setattr(selfspec.api, "shipped_choice", lambda identity, dtype: choice if dtype == "float32" else None)
+    monkeypatch.setattr(selfspec.api, "shipped_choice", lambda identity, dtype, device="cpu": choice if dtype == "float32" else None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = model.generate(REPETITIVE, max_new_tokens=8)
@@ -191,7 +191,7 @@ def test_a_shipped_choice_for_other_kernel_paths_runs_plain_decoding(tiny, monke
     model.name = "shipped-tiny-llama-paths"
     choice = {"method": "lookup", "exit_layer": None, "draft_len": 2, "measured": "a test",
               "kernel_paths": ["pairs", "amx"]}
-    monkeypatch.setattr(selfspec.api, "shipped_choice", lambda identity, dtype: choice)
+    monkeypatch.setattr(selfspec.api, "shipped_choice", lambda identity, dtype, device="cpu": choice)
     monkeypatch.setattr(gemv, "available", lambda: True)
     monkeypatch.setattr(gemv, "kernel_path", lambda: "avx2")
     assert not profiles.runs_here(choice)
@@ -239,3 +239,18 @@ def test_auto_ignores_a_profile_tuned_on_an_older_engine_or_in_another_dtype(tin
     result = tune(model, [PROMPT], max_new_tokens=6, exit_layers=[3], max_draft_len=1, check=1, repeats=1,
                   progress=False)
     assert result.profile_section(dtype="float32")["engine"] == ENGINE  # what tune writes is current
+
+
+def test_shipped_choices_are_per_device_type():
+    """Entries keyed by the dtype alone were measured on CPUs; "dtype@cuda" on a GPU: a CPU
+    choice never runs on CUDA (SmolLM2's CPU hybrid ran 0.36x AR on an H200) nor a GPU one on a CPU."""
+    from selfspec.profiles import shipped_choice
+
+    class SmolLM2:
+        @staticmethod
+        def slug():
+            return "SmolLM2-135M-Instruct-d3cc61f5878dc9e5"
+
+    assert shipped_choice(SmolLM2, "bfloat16")["method"] == "hybrid"
+    assert shipped_choice(SmolLM2, "bfloat16", "cuda")["method"] == "lookup"
+    assert shipped_choice(SmolLM2, "int8", "cuda") is None  # not measured on a GPU: plain decoding
