@@ -22,6 +22,7 @@ tested on the CPU with a stand-in that replays by calling the function again.
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -37,6 +38,10 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("SELFSPEC_CUDA_GRAPHS", "1") != "0"
 
 
+class CaptureFailed(RuntimeError):
+    """A forward could not be captured (an op that syncs with the host, say): run it eagerly."""
+
+
 class CudaGraph:
     """One captured forward: warm up on a side stream (first calls allocate, tune and compile),
     then capture into a torch.cuda.CUDAGraph with its own memory pool."""
@@ -49,7 +54,12 @@ class CudaGraph:
                 body()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Captured on the stream it warmed up on, whose per-stream library state (cuBLAS
+        # workspaces) is set up by then. On an H200 the tiny Qwen2 test model's capture failed
+        # when it ran on a stream of its own (cause not established; a QKV bias is what it has
+        # that the other architectures lack); this change is not measured there yet, and
+        # LeanStep.run falls back to eager forwards when a capture fails.
+        with torch.cuda.graph(self.graph, stream=stream):
             self.out = body()
 
     def replay(self) -> torch.Tensor:
@@ -67,7 +77,7 @@ class StepGraphs:
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.captures = 0  # graphs captured so far (tests and `bench` read it)
         self.replays = 0
-        self._cache = None  # the cache of the forward being run
+        self._running = threading.local()  # .cache: the cache of the forward this thread runs (Saguaro drafts in a second)
 
     def run(self, h: torch.Tensor, layers: list[int], start: int, cache, skip, rows: int,
             body: Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]) -> torch.Tensor:
@@ -78,13 +88,16 @@ class StepGraphs:
         entry = self.graphs.get(key)
         # The body reads the cache of the call at hand, not the one it was captured with (which
         # would keep that cache from returning its storage to the pool): the same addresses, by the key.
-        self._cache = cache
+        self._running.cache = cache
         try:
             if entry is None:
                 x = torch.empty(rows, h.shape[-1], dtype=h.dtype, device=h.device)
                 pos = torch.empty(rows, dtype=torch.long, device=h.device)
                 self._fill(x, pos, h, start, cache)
-                graph = self.factory(lambda: body(x, pos, self._cache))
+                try:
+                    graph = self.factory(lambda: body(x, pos, self._running.cache))
+                except RuntimeError as err:  # torch.AcceleratorError too
+                    raise CaptureFailed(f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
                 entry = self.graphs[key] = (graph, x, pos)
                 self.captures += 1
                 while len(self.graphs) > self.limit:
@@ -94,7 +107,7 @@ class StepGraphs:
                 self._fill(entry[1], entry[2], h, start, cache)
             out = entry[0].replay()
         finally:
-            self._cache = None
+            self._running.cache = None
         self.replays += 1
         # A copy: the graph's output buffer is overwritten by its next replay.
         return out[:n].clone().unsqueeze(0)

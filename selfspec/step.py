@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -423,8 +424,14 @@ class LeanStep:
         # needs and compiled code sees few lengths (the length is a dynamic dimension).
         span = cache.capacity if self.exact_rows is not None else min(cache.capacity, -(-(start + n) // SPAN) * SPAN)
         if self.graphs is not None and rows == self.exact_rows:  # every decode forward of exact mode
-            return self.graphs.run(h, layers, start, cache, skip, rows,
-                                   lambda x, pos, c: self._forward(x, pos, layers, c, skip, span, False, rows))
+            try:
+                return self.graphs.run(h, layers, start, cache, skip, rows,
+                                       lambda x, pos, c: self._forward(x, pos, layers, c, skip, span, False, rows))
+            except cuda_graphs.CaptureFailed as err:
+                # Eager forwards launch the kernels a replay would: the output stays AR's.
+                warnings.warn(f"selfspec: a decode forward could not be captured as a CUDA graph ({err}); this model "
+                              "decodes without graphs (slower on a GPU, same output)", stacklevel=2)
+                self.graphs = None
         x = pad_rows(h[0], rows)
         pos = torch.arange(start, start + rows, device=x.device)
         pos[n:] = slot

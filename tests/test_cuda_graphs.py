@@ -110,3 +110,21 @@ def test_graphs_only_in_exact_mode_and_only_on_cuda_unless_asked(monkeypatch):
     assert not cuda_graphs.enabled(torch.device("cpu"))
     monkeypatch.setenv("SELFSPEC_CUDA_GRAPHS", "0")
     assert not cuda_graphs.enabled(torch.device("cuda"))
+
+
+class FailingCapture:
+    """A capture that fails as CUDA's does when an op syncs with the host mid-capture."""
+
+    def __init__(self, body):
+        body()
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore lines")
+
+
+def test_a_failed_capture_warns_once_and_decodes_eagerly_with_the_same_output():
+    model, eager = _graphed("llama", factory=FailingCapture), _graphed("llama", factory=None)
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph .*not permitted when stream"):
+        out = model.generate(PROMPT, method="early-exit", exit_layer=2, draft_len=3, max_new_tokens=20)
+    assert model.adapter.step.graphs is None
+    assert out.tokens == eager.generate(PROMPT, method="early-exit", exit_layer=2, draft_len=3,
+                                        max_new_tokens=20).tokens
+    assert_greedy_lossless(model, PROMPT, n=20, method="early-exit", exit_layer=2, draft_len=3)
