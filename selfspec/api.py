@@ -307,13 +307,18 @@ class SelfSpecModel:
 
     def _stale(self, section: dict | None) -> str | None:
         """Why a tuned section no longer applies (None: it does): measured by `selfspec tune` (it
-        carries a "tuned" time) on an older engine or in another dtype. Hand-written sections apply."""
+        carries a "tuned" time) on an older engine, in another dtype or on another device type (a GPU's
+        choice is not a CPU's: lookup ran 1.37x AR on an H200, the CPU's hybrid 0.36-0.54x there).
+        Hand-written sections apply."""
         if not section or "tuned" not in section:
             return None
         if section.get("engine") != ENGINE:
             return f"was measured on an older decode engine (generation {section.get('engine', 1)}, now {ENGINE})"
         if section.get("dtype") not in (None, self.dtype_name):
             return f"was measured in {section['dtype']}, not {self.dtype_name}"
+        device = self.adapter.device.type
+        if section.get("device") not in (None, device):
+            return f"was measured on {section['device']}, not {device}"
         return None
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:

@@ -226,14 +226,15 @@ def test_the_shipped_file_names_the_bundled_model():
     assert not has_feature_head(dict(profile={}, identity=ModelIdentity("gemma-3-270m", "c23b6289364859d9")))
 
 
-def test_auto_ignores_a_profile_tuned_on_an_older_engine_or_in_another_dtype(tiny, tmp_path):
+def test_auto_ignores_a_profile_tuned_on_an_older_engine_in_another_dtype_or_on_another_device(tiny, tmp_path):
     model = tiny("llama")
     path = tmp_path / "profile.json"
     measured = {"method": "early-exit", "exit_layer": 2, "draft_len": 3, "dtype": "float32",
                 "tuned": "2026-11-30T00:00:00+00:00"}
-    save_section(model.identity, SECTION, {**measured, "engine": ENGINE}, path)
+    save_section(model.identity, SECTION, {**measured, "engine": ENGINE, "device": "cpu"}, path)
     assert model.tuned(str(path)) == ("early-exit", 2, 3)
-    for stale in (measured, {**measured, "engine": ENGINE - 1}, {**measured, "engine": ENGINE, "dtype": "int8"}):
+    for stale in (measured, {**measured, "engine": ENGINE - 1}, {**measured, "engine": ENGINE, "dtype": "int8"},
+                  {**measured, "engine": ENGINE, "device": "cuda"}):
         save_section(model.identity, SECTION, stale, path)
         assert model.tuned(str(path)) == ("ar", None, None), stale  # a tiny model has no shipped choice
     result = tune(model, [PROMPT], max_new_tokens=6, exit_layers=[3], max_draft_len=1, check=1, repeats=1,
