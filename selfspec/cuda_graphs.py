@@ -55,11 +55,12 @@ class CudaGraph:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         # Captured on the stream it warmed up on, whose per-stream library state (cuBLAS
-        # workspaces) is set up by then. On an H200 the tiny Qwen2 test model's capture failed
-        # when it ran on a stream of its own (cause not established; a QKV bias is what it has
-        # that the other architectures lack); this change is not measured there yet, and
-        # LeanStep.run falls back to eager forwards when a capture fails.
-        with torch.cuda.graph(self.graph, stream=stream):
+        # workspaces) is set up by then, and in thread-local mode, so that another thread's CUDA
+        # call (compile workers, Saguaro's drafting thread) cannot invalidate it. On an H200 the
+        # tiny Qwen2 test model's capture failed without both (cause not established); neither
+        # change is measured there yet, and LeanStep.run falls back to eager forwards when a
+        # capture fails.
+        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
             self.out = body()
 
     def replay(self) -> torch.Tensor:
