@@ -182,7 +182,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    gpu = f"{torch.cuda.get_device_name()}, " if torch.cuda.is_available() and torch.cuda.is_initialized() else ""
+    return f"{gpu}{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def run_bench(args) -> int:
