@@ -6,6 +6,10 @@
                                                  # one step, c(k), v(k, n) per mode (eager, graphs,
                                                  # compiled + graphs); --random: SmolLM2's shapes,
                                                  # random weights (timings only)
+    python scripts/gpu_check.py profile [--model M] [--method feature]
+                                                 # where one generation's time goes, per phase and
+                                                 # per op (torch.profiler): the feature head's draft
+                                                 # cost on CUDA (c 12-18 on an H200) is unexplained
 
 Modes: "eager" is exact mode with SELFSPEC_CUDA_GRAPHS=0 (PyTorch ops launched one by one);
 "graphs" captures each decode forward as a CUDA graph (selfspec.cuda_graphs); "compiled" adds
@@ -101,18 +105,54 @@ def costs(device: str, model_name: str | None, random: bool, modes: list[str]) -
     return {"model": name, "modes": out}
 
 
+def profile(device: str, model_name: str | None, method: str, modes: list[str]) -> dict:
+    """One warmed-up generation per mode under torch.profiler: the phases' seconds (stats) and the
+    ops that took the most host and device time, with the host-device syncs counted."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from selfspec.loading import load_hf
+
+    loaded = load_hf(model_name, dtype=torch.bfloat16, device=device, progress=False)
+    prompt = "Explain the difference between a list and a tuple in Python, with examples."
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    out = {}
+    for mode in modes:
+        model = _model(loaded.model, mode, loaded.tokenizer, loaded.name)
+        model.generate(prompt, method=method, max_new_tokens=16)  # captures, compiles, first begin
+        with torch_profile(activities=activities) as prof:
+            result = model.generate(prompt, method=method, max_new_tokens=48)
+        stats = result.stats.to_dict()
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=15)
+        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        syncs = {e.key: e.count for e in prof.key_averages()
+                 if any(s in e.key for s in ("Synchronize", "Memcpy", "item", "_local_scalar_dense"))}
+        out[mode] = dict(stats={k: v for k, v in stats.items() if k.endswith("_s") or k in ("alpha", "cost", "rounds")},
+                         syncs=syncs)
+        print(f"== {loaded.name} {method} {mode}: {result.stats.summary()}\n{json.dumps(out[mode])}\n"
+              f"-- by device time\n{table}\n-- by host time\n{host}", flush=True)
+    return {"model": loaded.name, "method": method, "modes": out}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["smoke", "costs"])
+    p.add_argument("what", choices=["smoke", "costs", "profile"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default=None)
     p.add_argument("--random", action="store_true")
+    p.add_argument("--method", default="feature", help="profile: the method to profile (default feature)")
     p.add_argument("--modes", default="eager,graphs,compiled,default")
     p.add_argument("--json", default=None, help="write the results here too")
     a = p.parse_args()
     if a.device == "cuda":
         print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    result = smoke(a.device) if a.what == "smoke" else costs(a.device, a.model, a.random, a.modes.split(","))
+    if a.what == "smoke":
+        result = smoke(a.device)
+    elif a.what == "costs":
+        result = costs(a.device, a.model, a.random, a.modes.split(","))
+    else:
+        result = profile(a.device, a.model, a.method, a.modes.split(","))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
 

@@ -6,6 +6,8 @@
 #
 #   bash scripts/gpu_run.sh [smoke]     # smoke: also the tiny-model identity checks first
 #   bash scripts/gpu_run.sh final       # the two runs of the README's table only
+#   bash scripts/gpu_run.sh next        # what this stop left open: the tiny models' captures (Qwen2
+#                                       # failed), then where the feature head's draft time goes
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -28,6 +30,13 @@ run() {  # name, timeout, env and bench arguments
 }
 B="python3 -m selfspec.cli bench --device cuda --dtype bfloat16 -n 64 -g 3 --exact"
 M="--method lookup,early-exit -k 22"
+if [ "${1:-}" = next ]; then
+  timeout 200 python3 scripts/gpu_check.py smoke --json "$OUT/smoke.json" 2>&1 | grep -v "CUDAGraph.cpp" | cut -c1-300
+  timeout 200 python3 scripts/gpu_check.py profile --model smollm2 --method feature --modes eager,compiled \
+    --json "$OUT/profile_feature.json" > "$OUT/profile_feature.log" 2>&1
+  grep -v "^Loading" "$OUT/profile_feature.log" | cut -c1-200 | head -90
+  exit 0
+fi
 if [ "${1:-}" = final ]; then  # CUDA's defaults (compiled, graphs), then graphs alone
   run compiled_r2 170 SELFSPEC_CUDA_GRAPHS=1 $B --compile --repeats 2 $M
   run graphs_r1 100 SELFSPEC_CUDA_GRAPHS=1 $B --no-compile --no-hf $M
