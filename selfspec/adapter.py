@@ -144,9 +144,11 @@ class ModelAdapter:
                         storage=free.pop() if free else None)
         if pooled:
             weakref.finalize(cache, free.append, (cache.keys, cache.values))
-        if self.step is not None and self.step.compile and self.device.type == "cuda":
-            # CUDA graphs replay fixed addresses: the cache, which every layer writes in place,
-            # is a static input, not one copied in and out of the graph. (Coded; not yet measured.)
+        if self.step is not None and self.step.compile and self.device.type == "cuda" and not pooled:
+            # torch.compile's own CUDA graphs (mode="reduce-overhead", outside exact mode) replay
+            # fixed addresses: the cache, which every layer writes in place, is a static input, not
+            # one copied in and out of the graph. (Coded; not yet measured. In exact mode
+            # selfspec.cuda_graphs captures whole forwards instead and compiles without graphs.)
             torch._dynamo.mark_static_address(cache.keys)
             torch._dynamo.mark_static_address(cache.values)
         return cache
