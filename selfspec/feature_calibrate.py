@@ -110,14 +110,15 @@ class Student:
     tokens outside the subset are mapped to one extra column of logit MISSING (q = 0 there)."""
 
     def __init__(self, adapter, token_ids: torch.Tensor):
-        self.ids = token_ids
         self.weight = adapter.lm_head.weight.detach()[token_ids].float()
         if adapter.lm_head.weight.dtype == torch.int8:  # an int8 head keeps per-row scales
             raise ValueError("calibrate the feature head on a bfloat16 or float32 model, not int8")
+        device = self.weight.device  # the model's: every tensor here lives beside its head
+        self.ids = token_ids.to(device)
         self.norm = copy.deepcopy(adapter.norm).float().requires_grad_(False)
         self.softcap = adapter.final_softcap
-        self.index = torch.full((adapter.lm_head.out_features,), len(token_ids), dtype=torch.long)
-        self.index[token_ids] = torch.arange(len(token_ids))
+        self.index = torch.full((adapter.lm_head.out_features,), len(token_ids), dtype=torch.long, device=device)
+        self.index[self.ids] = torch.arange(len(token_ids), device=device)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, d] float32 -> [m, N + 1]."""
@@ -129,6 +130,15 @@ class Student:
     def teacher(self, ids: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.index[ids]
         return ids, logp.masked_fill(ids == len(self.ids), MISSING)
+
+    def loss(self, predicted: torch.Tensor, teacher_ids: torch.Tensor, teacher_logp: torch.Tensor,
+             true: torch.Tensor, regression: float) -> torch.Tensor:
+        """The head's training loss on predicted final states [m, d] (see the module docstring):
+        the KL to the teacher's top tokens through this draft head, plus `regression` × smooth-L1
+        between the RMS-normalised prediction and the true h_L [m, d]."""
+        ids, logp = self.teacher(teacher_ids, teacher_logp)
+        loss = distill_loss(self.logits(predicted), ids, logp).mean()
+        return loss + regression * F.smooth_l1_loss(_rms(predicted), _rms(true))
 
     def token(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's greedy tokens (full-vocabulary ids) from [m, N + 1] logits."""
@@ -275,11 +285,9 @@ def train_feature_head(adapter, data: list[FeatureSequence], *, steps: int = 200
             previous = previous + noise * scale * torch.randn(previous.shape, generator=generator)
         predicted = head(previous, embedded, where).flatten(0, 1)  # [B·m, d]
         rows = [(data[s], where[r] + starts[r]) for r, s in enumerate(chosen)]
-        ids, logp = student.teacher(torch.cat([x.teacher_ids[w] for x, w in rows]),
-                                    torch.cat([x.teacher_logp[w] for x, w in rows]))
-        true = torch.cat([x.final[w, -hidden:].float() for x, w in rows])
-        loss = distill_loss(student.logits(predicted), ids, logp).mean()
-        loss = loss + regression * F.smooth_l1_loss(_rms(predicted), _rms(true))
+        loss = student.loss(predicted, torch.cat([x.teacher_ids[w] for x, w in rows]),
+                            torch.cat([x.teacher_logp[w] for x, w in rows]),
+                            torch.cat([x.final[w, -hidden:].float() for x, w in rows]), regression)
         loss_avg = descend(optimizer, schedule, loss, loss_avg)
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             alpha = alpha_by_position([torch.tensor(drafted_runs(head, student, batches, held_out))], 1)[0]

@@ -385,3 +385,38 @@ def test_fused_multilayer_inputs_train_and_start_as_the_plain_head(tiny):
     head = FeatureHead(32, 2, 2, 16, parts=2)
     previous, embedded = torch.randn(1, 3, 64), torch.randn(1, 3, 32)
     assert torch.allclose(head.inputs(previous, embedded), head.inputs(previous[..., 32:], embedded), atol=1e-5)
+
+
+def test_feature_at_scale_windows_line_up_with_calibrate():
+    """scripts/feature_at_scale.py (the shipped head's recipe, run on a GPU) builds each training
+    window from sequences laid end to end: a position's previous state is h_L one position back in
+    its own sequence (zeros at a sequence's start), its token embedding is its own, and examples
+    skip the window's first offset and the sequence's last position, as calibrate's do."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "feature_at_scale.py"
+    spec = importlib.util.spec_from_file_location("feature_at_scale", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    data = object.__new__(script.Data)
+    lengths = [5, 3, 7]
+    data.lengths = torch.tensor(lengths)
+    data.offsets = torch.cumsum(data.lengths, 0) - data.lengths
+    data.ids = torch.arange(100, 100 + sum(lengths))
+    data.final = torch.arange(sum(lengths), dtype=torch.float32)[:, None].repeat(1, 2)  # position p's state: p
+    data.embed = lambda ids: ids.float()[..., None].expand(*ids.shape, 2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        chosen = torch.tensor([2, 0, 1])
+        previous, embedded, flat, examples = data.window(chosen, 4, generator)
+        for row, s in enumerate(chosen.tolist()):
+            start, n = int(data.offsets[s]), lengths[s]
+            for j in range(4):
+                at = int(flat[row, j])
+                if at - start < n and (j == 0 or at > int(flat[row, j - 1])):  # a real position of the window
+                    assert embedded[row, j, 0] == 100 + at
+                    assert previous[row, j, 0] == (at - 1 if at > start else 0)
+                    assert bool(examples[row, j]) == (j >= 1 and at - start < n - 1)
+                else:
+                    assert not examples[row, j] and embedded[row, j].abs().sum() == 0
