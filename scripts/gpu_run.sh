@@ -6,8 +6,11 @@
 #
 #   bash scripts/gpu_run.sh [smoke]     # smoke: also the tiny-model identity checks first
 #   bash scripts/gpu_run.sh final       # the two runs of the README's table only
-#   bash scripts/gpu_run.sh next        # what this stop left open: the tiny models' captures (Qwen2
-#                                       # failed), then where the feature head's draft time goes
+#   bash scripts/gpu_run.sh scale [SECONDS]  # feature heads trained on GPU-scale data (also needs
+#                                       # .dev/b/train.jsonl and .dev/b/synthetic.jsonl)
+#   bash scripts/gpu_run.sh next        # what is left open: the head's draft step by attention backend
+#                                       # (cuDNN's was its cost; not run on a GPU since the change),
+#                                       # the tiny models' captures (Qwen2 failed), the head profiled
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -31,10 +34,16 @@ run() {  # name, timeout, env and bench arguments
 B="python3 -m selfspec.cli bench --device cuda --dtype bfloat16 -n 64 -g 3 --exact"
 M="--method lookup,early-exit -k 22"
 if [ "${1:-}" = next ]; then
+  timeout 60 python3 scripts/head_step_timing.py --device cuda --json "$OUT/head_step.json" 2>&1 | tail -8
   timeout 200 python3 scripts/gpu_check.py smoke --json "$OUT/smoke.json" 2>&1 | grep -v "CUDAGraph.cpp" | cut -c1-300
   timeout 200 python3 scripts/gpu_check.py profile --model smollm2 --method feature --modes eager,compiled \
     --json "$OUT/profile_feature.json" > "$OUT/profile_feature.log" 2>&1
   grep -v "^Loading" "$OUT/profile_feature.log" | cut -c1-200 | head -90
+  exit 0
+fi
+if [ "${1:-}" = scale ]; then  # feature heads trained at a GPU's data scale (scripts/feature_at_scale.py)
+  timeout 560 python3 scripts/feature_at_scale.py --prompts .dev/b/train.jsonl --extra-prompts .dev/b/synthetic.jsonl \
+    --device cuda --seconds "${2:-500}" --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/scale.log" | cut -c1-400
   exit 0
 fi
 if [ "${1:-}" = final ]; then  # CUDA's defaults (compiled, graphs), then graphs alone

@@ -26,11 +26,13 @@ profile's "context-head" section.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from safetensors.torch import load_file
 
 from selfspec import tagged_file
@@ -99,7 +101,7 @@ class ContextHead(torch.nn.Module):
         if n > 1:
             mask = torch.arange(start + n, device=h.device).view(1, -1) <= torch.arange(start, start + n,
                                                                                         device=h.device).view(-1, 1)
-        return self._finish(h, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+        return self._finish(h, _attend(q, keys, values, mask))
 
     def extend(self, h: torch.Tensor, start: int, kv: KVCache) -> None:
         """Write the keys and values of exit states h [1, n, d] at start .. start+n-1 into `kv`
@@ -147,6 +149,21 @@ class ContextHead(torch.nn.Module):
             cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
             self._tables[(dtype, device)] = cos, sin
         return cos[start:start + n], sin[start:start + n]
+
+
+# Backends for a drafting step's attention on CUDA: not cuDNN's, which builds a new plan for every
+# new key length, and the head's cache grows by a position each draft token. On an H200 that was
+# 2.6 ms of host time a call, 70-86% of the feature head's drafting (torch.profiler,
+# results/gpu_h200/profile_feature.log; the head's c was 12-18 there). Only here: the model's own
+# decode attention, also over a growing span outside exact mode, stepped 14.4 ms there against
+# exact mode's fixed-span 13.5 ms (results/gpu_h200/default.md), so SDPA did not pick cuDNN for it.
+_STEP_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention of a drafting step (see _STEP_BACKENDS)."""
+    with sdpa_kernel(_STEP_BACKENDS) if q.device.type == "cuda" else nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

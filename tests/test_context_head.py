@@ -287,3 +287,18 @@ def test_cli_calibrate_context_head_on_a_tiny_checkpoint(tmp_path, monkeypatch, 
     assert "context head k=2" in out and "context-head: k=2" in out
     assert (tmp_path / "cal").is_dir() and any(p.name.endswith(".context-k2.safetensors")
                                                for p in (tmp_path / "cal").iterdir())
+
+
+def test_step_attention_backends_on_cuda_compute_the_same_attention():
+    """A drafting step's attention on CUDA avoids cuDNN's (a new plan per key length: the head's
+    c was 12-18 on an H200). The backends it allows exist in this torch and give the same
+    attention as the default choice; run here on the CPU, where the step uses the default."""
+    from selfspec.context_head import _STEP_BACKENDS, _attend
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16)
+    mask = torch.arange(9).view(1, -1) <= torch.arange(6, 9).view(-1, 1)
+    with torch.nn.attention.sdpa_kernel(_STEP_BACKENDS):
+        restricted = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(restricted, _attend(q, k, v, mask))
+    assert "CUDNN_ATTENTION" not in {b.name for b in _STEP_BACKENDS} and "MATH" in {b.name for b in _STEP_BACKENDS}
