@@ -55,7 +55,16 @@ from selfspec.feature_calibrate import Student  # noqa: E402
 from selfspec.feature_head import FeatureHead, load_feature_head, save_feature_head, shipped_path  # noqa: E402
 
 T0 = time.perf_counter()
-HEADS = {"all": dict(heads=4, width=None), "spec": dict(heads=4, width=None), "wide": dict(heads=8, width=1536)}
+HEADS = {"all": dict(heads=4, width=None), "spec": dict(heads=4, width=None), "wide": dict(heads=8, width=1536),
+         "warm": dict(heads=4, width=None)}  # warm: all data, starting from the shipped head's weights
+OPENINGS = 2  # words of a training prompt that begin a seeded self-written request
+DOCUMENT_TASKS = (  # requests over an earlier answer: long contexts the output copies from (Spec-Bench's
+    "Summarize the following text in a few sentences.\n\n{text}",  # summarization and RAG prompts)
+    "{text}\n\nWhat are the main points of the text above?",
+    "Rewrite the following text in simpler words.\n\n{text}",
+    "Read the text below and list the key facts it states.\n\n{text}",
+    "{text}\n\nBased on the text above, write three questions a reader might ask, with their answers.",
+)
 TOKENS_PER_FILE = 8_000_000  # uint16: 16 MB a file (the device tool returns files of at most 16 MiB)
 
 
@@ -97,9 +106,12 @@ def generate(hf, prompts: list[list[int]], *, pad: int, eos: list[int], rows: in
     return out
 
 
-def self_prompts(model, count: int, *, rows: int, deadline: float, seed: int) -> list[str]:
+def self_prompts(model, count: int, *, rows: int, deadline: float, seed: int, seen: set[str],
+                 openings: list[str] = ()) -> list[str]:
     """User requests the model writes itself: its chat template up to the user's text, sampled
-    at T = 1 until the end of the turn. Kept when the turn ended and the text is new."""
+    at T = 1 until the end of the turn. Kept when the turn ended and the text is new (not in
+    `seen`, which gains it). With `openings`, each request begins with one of them, in turn
+    (the first words of a training prompt: requests shaped like the benchmark's categories)."""
     tokenizer = model.tokenizer
     marker = "\x00MARK\x00"
     template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
@@ -107,15 +119,19 @@ def self_prompts(model, count: int, *, rows: int, deadline: float, seed: int) ->
     prefix = tokenizer(template[:template.index(marker)], add_special_tokens=False)["input_ids"]
     eos = sorted(model.eos_ids)
     torch.manual_seed(seed)
-    seen: set[str] = set()
     texts: list[str] = []
+    turn = 0
     while len(texts) < count and time.perf_counter() < deadline:
-        made = generate(model.hf_model, [prefix] * min(rows, 2 * (count - len(texts))), pad=eos[0], eos=eos,
+        n = min(rows, 2 * (count - len(texts)))
+        starts = [openings[(turn + i) % len(openings)] for i in range(n)] if openings else [""] * n
+        turn += n
+        begun = [prefix + (tokenizer(start, add_special_tokens=False)["input_ids"] if start else []) for start in starts]
+        made = generate(model.hf_model, begun, pad=eos[0], eos=eos,
                         rows=rows, row_tokens=10**9, new_tokens=96, deadline=deadline, sample=True)
-        for tokens in made:
+        for start, tokens in zip(starts, made):
             if tokens is None or not tokens or tokens[-1] not in eos:
                 continue
-            text = tokenizer.decode(tokens[:-1]).strip()
+            text = (start + tokenizer.decode(tokens[:-1])).strip()
             if len(text) >= 20 and text.lower() not in seen:
                 seen.add(text.lower())
                 texts.append(text)
@@ -161,6 +177,32 @@ def teacher(model, sequences: list[list[int]], *, row_tokens: int) -> tuple[torc
     finally:
         hook.remove()
     return final, top_ids, top_logp
+
+
+def request_text(model, prompt: list[int]) -> str:
+    """The user's text of a chat-templated prompt (the whole decoded prompt where the template
+    does not frame it as expected)."""
+    marker = "\x00MARK\x00"
+    template = model.tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                                   tokenize=False)
+    before, after = template.split(marker)
+    text = model.tokenizer.decode(prompt)
+    if text.startswith(before) and text.endswith(after):
+        return text[len(before):len(text) - len(after)].strip()
+    return text
+
+
+def reused(directory: Path) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """An earlier run's sequences, split into prompts and answers, and their sources."""
+    meta = json.loads((directory / "sequences.json").read_text())
+    flat = np.concatenate([np.load(f) for f in sorted(directory.glob("tokens-*.npy"),
+                                                      key=lambda f: int(f.stem.split("-")[1]))]).astype(np.int64)
+    if len(flat) != sum(meta["lengths"]):
+        raise SystemExit(f"{directory}: tokens-*.npy hold {len(flat)} tokens, sequences.json {sum(meta['lengths'])}")
+    ends = np.cumsum(meta["lengths"])
+    sequences = [flat[e - n:e].tolist() for e, n in zip(ends, meta["lengths"])]
+    return ([s[:p] for s, p in zip(sequences, meta["prompt_lengths"])],
+            [s[p:] for s, p in zip(sequences, meta["prompt_lengths"])], list(meta["sources"]))
 
 
 class Data:
@@ -223,6 +265,13 @@ def main() -> None:
     parser.add_argument("--holdout", type=float, default=0.1)
     parser.add_argument("--extra-prompts", help="more prompts, training only (synthetic_prompts.py)")
     parser.add_argument("--self-prompts", type=int, default=40000, help="at most this many self-written requests")
+    parser.add_argument("--reuse", help="an earlier run's --out: its sequences (tokens-*.npy, sequences.json) are kept "
+                        "and this run's generation goes to new requests only")
+    parser.add_argument("--seeded-share", type=float, default=0.0,
+                        help=f"share of self-written requests begun with a training prompt's first {OPENINGS} words")
+    parser.add_argument("--document-share", type=float, default=0.0,
+                        help="share of new requests that wrap an earlier answer in a reading task (summarize, "
+                             "list the facts, ...): long contexts the answer copies from")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens of each answer, at most")
     parser.add_argument("--rows", type=int, default=1024, help="rows of one generate batch")
     parser.add_argument("--row-tokens", type=int, default=400_000, help="prompt + output tokens of one batch")
@@ -255,33 +304,64 @@ def main() -> None:
     eos = sorted(model.eos_ids)
     generate_end = T0 + args.generate_share * args.seconds
 
-    # Answers: the Spec-Bench questions (held out ones too, for α) and the extra prompts first, then
-    # self-written requests in rounds until the generation budget is spent.
-    sources = ["held"] * sum(held) + ["spec"] * (len(spec) - sum(held)) + ["extra"] * len(extra)
-    texts = [t for t, h in zip(spec, held) if h] + [t for t, h in zip(spec, held) if not h] + extra
-    prompts = [model.encode(t).tolist() for t in texts]
-    answers = generate(model.hf_model, prompts, pad=eos[0], eos=eos, rows=args.rows, row_tokens=args.row_tokens,
-                       new_tokens=args.new_tokens, deadline=generate_end)
-    log(f"answered {sum(a is not None for a in answers)} of {len(prompts)} Spec-Bench and extra prompts")
+    # Answers: the Spec-Bench questions (held out ones too, for α) and the extra prompts first (or
+    # an earlier run's sequences), then self-written requests in rounds until the budget is spent.
+    held_texts = [t for t, h in zip(spec, held) if h]
+    if args.reuse:
+        prompts, answers, sources = reused(Path(args.reuse))
+        texts = [None] * len(prompts)
+        first = [model.encode(t).tolist() for t in held_texts]
+        if prompts[:len(first)] != first or sources[:len(first)] != ["held"] * len(first):
+            parser.error(f"--reuse {args.reuse}: its held-out questions are not this split's "
+                         "(same --prompts, --num-prompts, --holdout and --seed needed)")
+        log(f"reused {len(prompts)} sequences, {sum(len(p) + len(a) for p, a in zip(prompts, answers))} positions")
+    else:
+        sources = ["held"] * len(held_texts) + ["spec"] * (len(spec) - len(held_texts)) + ["extra"] * len(extra)
+        texts = held_texts + [t for t, h in zip(spec, held) if not h] + extra
+        prompts = [model.encode(t).tolist() for t in texts]
+        answers = generate(model.hf_model, prompts, pad=eos[0], eos=eos, rows=args.rows, row_tokens=args.row_tokens,
+                           new_tokens=args.new_tokens, deadline=generate_end)
+        log(f"answered {sum(a is not None for a in answers)} of {len(prompts)} Spec-Bench and extra prompts")
+    seen = {request_text(model, p).lower() for p in prompts}
+    openings = sorted({" ".join(t.split()[:OPENINGS]) for t, h in zip(spec, held) if not h} |
+                      {" ".join(t.split()[:OPENINGS]) for t in extra})
+    random = np.random.default_rng(args.seed + len(prompts))
+    random.shuffle(openings)
     written = 0
     while time.perf_counter() < generate_end - 15 and written < args.self_prompts:
-        requests = self_prompts(model, min(args.rows, args.self_prompts - written), rows=args.rows,
-                                deadline=generate_end, seed=args.seed + written)
+        n = min(args.rows, args.self_prompts - written)
+        seeded = int(round(n * args.seeded_share))
+        requests = self_prompts(model, n - seeded, rows=args.rows, deadline=generate_end,
+                                seed=args.seed + len(prompts), seen=seen)
+        if seeded:
+            requests += self_prompts(model, seeded, rows=args.rows, deadline=generate_end,
+                                     seed=args.seed + len(prompts) + 1, seen=seen, openings=openings)
+        kinds = ["self"] * (n - seeded) + ["seeded"] * seeded
+        documents = int(round(len(requests) * args.document_share))
+        if documents:  # reading tasks over 1-3 earlier training answers of at least 32 tokens each
+            long = [a for a, k in zip(answers, sources) if a and len(a) >= 32 and not k.endswith("held")]
+            for i in range(documents if long else 0):
+                parts = [long[j] for j in random.choice(len(long), size=min(len(long), 1 + i % 3), replace=False)]
+                text = "\n\n".join(model.tokenizer.decode(a[:-1] if a[-1] in eos else a).strip() for a in parts)
+                requests.append(DOCUMENT_TASKS[i % len(DOCUMENT_TASKS)].format(text=text))
+                kinds.append("document")
         more = [model.encode(t).tolist() for t in requests]
         made = generate(model.hf_model, more, pad=eos[0], eos=eos, rows=args.rows, row_tokens=args.row_tokens,
                         new_tokens=args.new_tokens, deadline=generate_end)
-        for text, p, a in zip(requests, more, made):
+        for text, kind, p, a in zip(requests, kinds, more, made):
             if a is not None:
                 prompts.append(p)
                 answers.append(a)
                 texts.append(text)
-                sources.append("self-held" if len(texts) % 100 == 0 else "self")
+                sources.append(kind + "-held" if len(texts) % 100 == 0 else kind)
         written += len(requests)
-        log(f"self-written requests {written}, answered so far {sum(s.startswith('self') for s in sources)}")
+        log(f"new requests {written}, answered so far: " + ", ".join(
+            f"{k} {sum(s.split('-')[0] == k for s in sources)}" for k in ("self", "seeded", "document")))
     keep = [i for i, a in enumerate(answers) if a]
     sequences = [prompts[i] + answers[i] for i in keep]
     prompt_lengths = [len(prompts[i]) for i in keep]
     sources = [sources[i] for i in keep]
+    texts = [texts[i] for i in keep]
     positions = sum(map(len, sequences))
     log(f"{len(sequences)} sequences, {positions} positions ({sum(len(answers[i]) for i in keep)} generated)")
 
@@ -294,9 +374,10 @@ def main() -> None:
     data = Data(model, sequences, prompt_lengths, args.row_tokens)
     log(f"teacher-forced: h_L and top-{TOP} at {positions} positions")
     device = model.adapter.device
-    by_source = {name: [i for i, s in enumerate(sources) if s == name] for name in ("held", "spec", "extra", "self", "self-held")}
-    subsets = {"all": by_source["spec"] + by_source["extra"] + by_source["self"], "spec": by_source["spec"],
-               "wide": by_source["spec"] + by_source["extra"] + by_source["self"]}
+    kinds = ("held", "spec", "extra", "self", "self-held", "seeded", "seeded-held", "document", "document-held")
+    by_source = {name: [i for i, s in enumerate(sources) if s == name] for name in kinds}
+    trained = [i for i, s in enumerate(sources) if s in ("spec", "extra", "self", "seeded", "document")]
+    subsets = {"all": trained, "spec": by_source["spec"], "wide": trained, "warm": trained}
     trained_on = [data.ids[int(data.offsets[i]):int(data.offsets[i] + data.lengths[i])].cpu() for i in subsets["all"]]
     draft_ids = draft_head.rank_tokens(draft_head.count_tokens(trained_on, model.adapter.lm_head.out_features))
     draft_ids = draft_ids[:args.draft_vocab]
@@ -315,6 +396,8 @@ def main() -> None:
     runs = {}
     for name in names:
         head = FeatureHead(model.adapter.embed_tokens.embedding_dim, model.adapter.n_layers, **HEADS[name]).to(device)
+        if name == "warm":
+            head.load_state_dict(load_feature_head(shipped_path(model.identity), model.identity)[0].state_dict())
         optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01)
         runs[name] = dict(head=head.train(), optimizer=optimizer, pool=torch.tensor(subsets[name], device=device),
                           steps=0, loss=None, generator=torch.Generator().manual_seed(args.seed + len(runs)))
@@ -370,6 +453,8 @@ def main() -> None:
         results[name] = dict(steps=run["steps"], loss=None if run["loss"] is None else float(run["loss"]),
                              alpha1_held_spec=data.first_alpha(run["head"], student, by_source["held"]),
                              alpha1_held_self=data.first_alpha(run["head"], student, by_source["self-held"][:200]),
+                             **{f"alpha1_held_{k}": data.first_alpha(run["head"], student, by_source[f"{k}-held"][:200])
+                                for k in ("seeded", "document") if by_source[f"{k}-held"]},
                              alpha1_train=data.first_alpha(run["head"], student, subsets[name][:44]))
         save(name, run, {k: round(v, 4) if isinstance(v, float) else v for k, v in results[name].items()})
         log(f"head {name}: {results[name]}")
@@ -377,6 +462,8 @@ def main() -> None:
                    torch=torch.__version__, sequences=len(sequences), positions=positions,
                    by_source={k: len(v) for k, v in by_source.items()}, heads=results, history=history,
                    self_written=[t for t, s in zip(texts, sources) if s.startswith("self")][:40],
+                   seeded=[t for t, s in zip(texts, sources) if s.startswith("seeded")][:40],
+                   documents=[t[:300] for t, s in zip(texts, sources) if s.startswith("document")][:10],
                    seconds=round(time.perf_counter() - T0, 1), args=vars(args))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     log("done")

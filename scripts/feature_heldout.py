@@ -4,6 +4,7 @@ The held-out prompts are calibrate's: the same share and seed of the same prompt
 stands beside the README's table (0.318 / 0.252 / 0.208 / 0.195 for the head trained on the CPU).
 Each held-out prompt is decoded greedily by the engine on this machine; from every output position
 each head drafts on its own predictions while its tokens agree with the model's (up to 4).
+α is printed for all held-out prompts, then by Spec-Bench category.
 
     python scripts/calibration_prompts.py ../shared/bench/spec_bench_questions.jsonl -o train.jsonl
     python scripts/feature_heldout.py train.jsonl shipped heads/all.feature.safetensors
@@ -43,9 +44,10 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     model = load(args.model, dtype=args.dtype, progress=False)
-    prompts = [p.text for p in load_prompts(args.prompts, 10**9)][:args.num_prompts]
+    prompts = load_prompts(args.prompts, 10**9)[:args.num_prompts]
     held = held_out_prompts(len(prompts), args.holdout, args.seed).tolist()
-    chosen = [torch.as_tensor(model.encode(p)) for p, h in zip(prompts, held) if h]
+    categories = [p.category for p, h in zip(prompts, held) if h]
+    chosen = [torch.as_tensor(model.encode(p.text)) for p, h in zip(prompts, held) if h]
     t0 = time.perf_counter()
     data = feature_data(model, chosen, args.max_new_tokens)
     positions = sum(x.ids.numel() - 1 - x.n_prompt for x in data)
@@ -56,11 +58,21 @@ def main() -> None:
     for name in args.heads:
         path = shipped_path(model.identity) if name == "shipped" else Path(name)
         head, draft_ids = load_feature_head(path, model.identity)
-        runs = drafted_runs(head, Student(model.adapter, draft_ids), batches, list(range(len(data))))
-        alpha = alpha_by_position([torch.tensor(runs)], DEPTH)
-        results[name] = dict(alpha=[round(a, 4) for a in alpha], params=head.n_params, positions=positions)
+        student = Student(model.adapter, draft_ids)
+        per_sequence = [drafted_runs(head, student, batches, [i]) for i in range(len(data))]
+        alpha = alpha_by_position([torch.tensor([r for runs in per_sequence for r in runs])], DEPTH)
+        by_category = {}
+        for category in sorted(set(categories)):
+            runs = [r for c, rs in zip(categories, per_sequence) if c == category for r in rs]
+            by_category[category] = dict(prompts=categories.count(category), positions=len(runs),
+                                         alpha=[round(a, 4) for a in alpha_by_position([torch.tensor(runs)], DEPTH)])
+        results[name] = dict(alpha=[round(a, 4) for a in alpha], params=head.n_params, positions=positions,
+                             by_category=by_category)
         print(f"{name}: α at draft position 1..{DEPTH} " + " / ".join(f"{a:.3f}" for a in alpha)
               + f" ({head.n_params} parameters)")
+        for category, row in by_category.items():
+            print(f"  {category:20s} {row['prompts']:3d} prompts {row['positions']:5d} positions  α "
+                  + " / ".join(f"{a:.3f}" for a in row["alpha"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

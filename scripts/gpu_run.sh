@@ -8,6 +8,11 @@
 #   bash scripts/gpu_run.sh final       # the two runs of the README's table only
 #   bash scripts/gpu_run.sh scale [SECONDS]  # feature heads trained on GPU-scale data (also needs
 #                                       # .dev/b/train.jsonl and .dev/b/synthetic.jsonl)
+#   bash scripts/gpu_run.sh scale2 [SECONDS]  # the next step of `scale`: its 2.5M positions reused (copy
+#                                       # results/gpu_h200/scale/{tokens-0.npy,sequences.json} to .dev/b/reuse/),
+#                                       # new requests seeded with training prompts' openings and reading tasks
+#                                       # over earlier answers (summarization was the head's weakest category),
+#                                       # a fresh head and one warm-started from the shipped head
 #   bash scripts/gpu_run.sh next        # what is left open: the head's draft step by attention backend
 #                                       # (cuDNN's was its cost; not run on a GPU since the change),
 #                                       # the tiny models' captures (Qwen2 failed), the head profiled
@@ -44,6 +49,12 @@ fi
 if [ "${1:-}" = scale ]; then  # feature heads trained at a GPU's data scale (scripts/feature_at_scale.py)
   timeout 560 python3 scripts/feature_at_scale.py --prompts .dev/b/train.jsonl --extra-prompts .dev/b/synthetic.jsonl \
     --device cuda --seconds "${2:-500}" --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/scale.log" | cut -c1-400
+  exit 0
+fi
+if [ "${1:-}" = scale2 ]; then  # more and more varied data on top of `scale`'s (see the header)
+  timeout 580 python3 scripts/feature_at_scale.py --prompts .dev/b/train.jsonl --reuse .dev/b/reuse \
+    --seeded-share 0.3 --document-share 0.25 --heads all,warm --generate-share 0.45 \
+    --device cuda --seconds "${2:-540}" --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/scale.log" | cut -c1-400
   exit 0
 fi
 if [ "${1:-}" = final ]; then  # CUDA's defaults (compiled, graphs), then graphs alone

@@ -420,3 +420,34 @@ def test_feature_at_scale_windows_line_up_with_calibrate():
                     assert bool(examples[row, j]) == (j >= 1 and at - start < n - 1)
                 else:
                     assert not examples[row, j] and embedded[row, j].abs().sum() == 0
+
+
+def test_feature_at_scale_reuses_an_earlier_runs_sequences(tmp_path):
+    """`feature_at_scale.py --reuse DIR` reads back what a run wrote (tokens-*.npy in order,
+    sequences.json) as the same prompts, answers and sources, and refuses files that disagree."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    import pytest
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "feature_at_scale.py"
+    spec = importlib.util.spec_from_file_location("feature_at_scale", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 49152, size=n).tolist() for n in (7, 3, 12, 5)]
+    prompt_lengths, sources = [2, 1, 9, 5], ["held", "spec", "self", "self-held"]
+    flat = np.array([t for s in sequences for t in s], dtype=np.uint16)
+    for i, lo in enumerate(range(0, len(flat), 10)):  # several files, read back in numeric order
+        np.save(tmp_path / f"tokens-{i}.npy", flat[lo:lo + 10])
+    (tmp_path / "sequences.json").write_text(json.dumps(dict(lengths=[len(s) for s in sequences],
+                                                             prompt_lengths=prompt_lengths, sources=sources)))
+    prompts, answers, kinds = script.reused(tmp_path)
+    assert prompts == [s[:p] for s, p in zip(sequences, prompt_lengths)]
+    assert answers == [s[p:] for s, p in zip(sequences, prompt_lengths)]
+    assert kinds == sources
+    (tmp_path / "tokens-2.npy").unlink()
+    with pytest.raises(SystemExit, match="tokens"):
+        script.reused(tmp_path)
