@@ -392,13 +392,7 @@ def test_feature_at_scale_windows_line_up_with_calibrate():
     window from sequences laid end to end: a position's previous state is h_L one position back in
     its own sequence (zeros at a sequence's start), its token embedding is its own, and examples
     skip the window's first offset and the sequence's last position, as calibrate's do."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "feature_at_scale.py"
-    spec = importlib.util.spec_from_file_location("feature_at_scale", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _feature_at_scale()
     data = object.__new__(script.Data)
     lengths = [5, 3, 7]
     data.lengths = torch.tensor(lengths)
@@ -425,17 +419,12 @@ def test_feature_at_scale_windows_line_up_with_calibrate():
 def test_feature_at_scale_reuses_an_earlier_runs_sequences(tmp_path):
     """`feature_at_scale.py --reuse DIR` reads back what a run wrote (tokens-*.npy in order,
     sequences.json) as the same prompts, answers and sources, and refuses files that disagree."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     import numpy as np
     import pytest
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "feature_at_scale.py"
-    spec = importlib.util.spec_from_file_location("feature_at_scale", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _feature_at_scale()
     rng = np.random.default_rng(0)
     sequences = [rng.integers(0, 49152, size=n).tolist() for n in (7, 3, 12, 5)]
     prompt_lengths, sources = [2, 1, 9, 5], ["held", "spec", "self", "self-held"]
@@ -451,3 +440,15 @@ def test_feature_at_scale_reuses_an_earlier_runs_sequences(tmp_path):
     (tmp_path / "tokens-2.npy").unlink()
     with pytest.raises(SystemExit, match="tokens"):
         script.reused(tmp_path)
+
+
+def _feature_at_scale():
+    """scripts/feature_at_scale.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "feature_at_scale.py"
+    spec = importlib.util.spec_from_file_location("feature_at_scale", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
