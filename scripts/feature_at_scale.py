@@ -192,6 +192,23 @@ def request_text(model, prompt: list[int]) -> str:
     return text
 
 
+def reuse_subset(prompt_lengths: list[int], lengths: list[int], sources: list[str], positions: int, long: int,
+                 seed: int) -> list[int]:
+    """Indices, in order, of the reused sequences to keep: every held-out one; then training ones
+    with prompts of at least `long` tokens (when `long`), then others drawn at random, while their
+    positions add up to at most `positions`."""
+    held = [i for i, s in enumerate(sources) if s.endswith("held")]
+    train = [i for i, s in enumerate(sources) if not s.endswith("held")]
+    first = [i for i in train if long and prompt_lengths[i] >= long]
+    rest = [train[j] for j in np.random.default_rng(seed).permutation(len(train)) if not (long and prompt_lengths[train[j]] >= long)]
+    kept, total = [], 0
+    for i in first + rest:
+        if total + lengths[i] <= positions:
+            kept.append(i)
+            total += lengths[i]
+    return sorted(held + kept)
+
+
 def reused(directory: Path) -> tuple[list[list[int]], list[list[int]], list[str]]:
     """An earlier run's sequences, split into prompts and answers, and their sources."""
     meta = json.loads((directory / "sequences.json").read_text())
@@ -208,13 +225,25 @@ def reused(directory: Path) -> tuple[list[list[int]], list[list[int]], list[str]
 class Data:
     """Every sequence laid end to end on the device, with its teacher."""
 
-    def __init__(self, model, sequences: list[list[int]], prompt_lengths: list[int], row_tokens: int):
+    answers_only = False
+
+    def __init__(self, model, sequences: list[list[int]], prompt_lengths: list[int], row_tokens: int,
+                 answers_only: bool = False, cache: Path | None = None):
         device = model.adapter.device
+        self.answers_only = answers_only
         self.lengths = torch.tensor([len(s) for s in sequences], device=device)
         self.offsets = torch.cumsum(self.lengths, 0) - self.lengths
         self.n_prompt = torch.tensor(prompt_lengths, device=device)
         self.ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
-        self.final, self.top_ids, self.top_logp = teacher(model, sequences, row_tokens=row_tokens)
+        if cache is not None and cache.is_file():  # the teacher of the same sequences, kept by an earlier run
+            kept = torch.load(cache, map_location=device)
+            if not torch.equal(kept["ids"], self.ids):
+                raise SystemExit(f"--teacher-cache {cache}: made for other sequences; delete it or name another")
+            self.final, self.top_ids, self.top_logp = kept["final"], kept["top_ids"], kept["top_logp"]
+        else:
+            self.final, self.top_ids, self.top_logp = teacher(model, sequences, row_tokens=row_tokens)
+            if cache is not None:
+                torch.save(dict(ids=self.ids, final=self.final, top_ids=self.top_ids, top_logp=self.top_logp), cache)
         embedding = model.adapter.embed_tokens
         self.embed = lambda ids: embedding(ids).float()
 
@@ -222,10 +251,13 @@ class Data:
         """Inputs of one training batch: `chosen` sequences, each a random window of at most
         `window` positions: previous [B, W, d], embedded [B, W, d], the flat index [B, W] of each
         position and the example mask [B, W] (offsets ≥ 1 within the window, short of the
-        sequence's last position, whose teacher follows the data's end)."""
+        sequence's last position, whose teacher follows the data's end). With `answers_only`, each
+        window ends at its sequence's end and only answer positions are examples."""
         device = self.ids.device
         lengths = self.lengths[chosen]
         starts = (torch.rand(len(chosen), generator=generator).to(device) * (lengths - window).clamp_min(0)).long()
+        if self.answers_only:
+            starts = (lengths - window).clamp_min(0)
         spans = (lengths - starts).clamp_max(window)
         j = torch.arange(window, device=device)
         position = starts[:, None] + j  # within the sequence
@@ -235,6 +267,8 @@ class Data:
         previous = torch.where(has_previous[..., None], self.final[(flat - 1).clamp_min(0)].float(), 0.0)
         embedded = self.embed(self.ids[flat]) * valid[..., None]
         examples = valid & (j[None] >= 1) & (position < lengths[:, None] - 1)
+        if self.answers_only:  # from the position whose next token is the answer's first
+            examples &= position >= self.n_prompt[chosen][:, None] - 1
         return previous, embedded, flat, examples
 
     @torch.no_grad()
@@ -267,6 +301,19 @@ def main() -> None:
     parser.add_argument("--self-prompts", type=int, default=40000, help="at most this many self-written requests")
     parser.add_argument("--reuse", help="an earlier run's --out: its sequences (tokens-*.npy, sequences.json) are kept "
                         "and this run's generation goes to new requests only")
+    parser.add_argument("--reuse-positions", type=int, default=0,
+                        help="keep only this many of the reused training positions (held-out sequences all stay): "
+                             "those of --reuse-long prompts first, then a random draw")
+    parser.add_argument("--reuse-long", type=int, default=0,
+                        help="with --reuse-positions: first keep every reused training sequence whose prompt has at "
+                             "least this many tokens (summarization, RAG: the head's weak categories)")
+    parser.add_argument("--answers-only", action="store_true",
+                        help="train on answer positions only, each window ending at its sequence's end (the "
+                             "default trains on every position, prompts included)")
+    parser.add_argument("--teacher-cache", help="keep the teacher (h_L, top-k) in this file and reuse it when the "
+                                                "sequences are the same (a CPU's teacher pass takes many minutes)")
+    parser.add_argument("--shipped-vocab", action="store_true",
+                        help="draft with the shipped head's token subset instead of ranking this data's tokens")
     parser.add_argument("--seeded-share", type=float, default=0.0,
                         help=f"share of self-written requests begun with a training prompt's first {OPENINGS} words")
     parser.add_argument("--document-share", type=float, default=0.0,
@@ -314,6 +361,11 @@ def main() -> None:
         if prompts[:len(first)] != first or sources[:len(first)] != ["held"] * len(first):
             parser.error(f"--reuse {args.reuse}: its held-out questions are not this split's "
                          "(same --prompts, --num-prompts, --holdout and --seed needed)")
+        if args.reuse_positions:
+            keep = reuse_subset([len(p) for p in prompts], [len(p) + len(a) for p, a in zip(prompts, answers)],
+                                sources, args.reuse_positions, args.reuse_long, args.seed)
+            prompts, answers, sources = ([x[i] for i in keep] for x in (prompts, answers, sources))
+            texts = [None] * len(prompts)
         log(f"reused {len(prompts)} sequences, {sum(len(p) + len(a) for p, a in zip(prompts, answers))} positions")
     else:
         sources = ["held"] * len(held_texts) + ["spec"] * (len(spec) - len(held_texts)) + ["extra"] * len(extra)
@@ -371,7 +423,8 @@ def main() -> None:
     (out / "sequences.json").write_text(json.dumps({"lengths": [len(s) for s in sequences],
                                                     "prompt_lengths": prompt_lengths, "sources": sources}))
 
-    data = Data(model, sequences, prompt_lengths, args.row_tokens)
+    data = Data(model, sequences, prompt_lengths, args.row_tokens, answers_only=args.answers_only,
+                cache=Path(args.teacher_cache) if args.teacher_cache else None)
     log(f"teacher-forced: h_L and top-{TOP} at {positions} positions")
     device = model.adapter.device
     kinds = ("held", "spec", "extra", "self", "self-held", "seeded", "seeded-held", "document", "document-held")
@@ -381,6 +434,8 @@ def main() -> None:
     trained_on = [data.ids[int(data.offsets[i]):int(data.offsets[i] + data.lengths[i])].cpu() for i in subsets["all"]]
     draft_ids = draft_head.rank_tokens(draft_head.count_tokens(trained_on, model.adapter.lm_head.out_features))
     draft_ids = draft_ids[:args.draft_vocab]
+    if args.shipped_vocab:
+        draft_ids = load_feature_head(shipped_path(model.identity), model.identity)[1]
     student = Student(model.adapter, draft_ids)
 
     # The shipped head (CPU-scale data) through this script's own teacher: checks the pipeline

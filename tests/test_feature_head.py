@@ -452,3 +452,21 @@ def _feature_at_scale():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
+
+
+def test_feature_at_scale_answers_only_windows_end_at_the_sequence_end():
+    """With answers_only, each window is its sequence's last positions and its examples are the
+    answer's positions (from the one whose next token is the answer's first), short of the end."""
+    script = _feature_at_scale()
+    data = object.__new__(script.Data)
+    data.answers_only = True
+    lengths, n_prompt = [9, 4], [6, 1]
+    data.lengths, data.n_prompt = torch.tensor(lengths), torch.tensor(n_prompt)
+    data.offsets = torch.cumsum(data.lengths, 0) - data.lengths
+    data.ids = torch.arange(sum(lengths))
+    data.final = torch.zeros(sum(lengths), 2)
+    data.embed = lambda ids: ids.float()[..., None].expand(*ids.shape, 2)
+    _, _, flat, examples = data.window(torch.tensor([0, 1]), 5, torch.Generator().manual_seed(0))
+    assert flat[0].tolist() == [4, 5, 6, 7, 8]  # sequence 0's last 5 positions
+    assert examples[0].tolist() == [False, True, True, True, False]  # positions 5, 6, 7 (n_prompt - 1 = 5)
+    assert examples[1].tolist() == [False, True, True, False, False]  # sequence 1: positions 1, 2 of 0..3
