@@ -113,10 +113,7 @@ def self_prompts(model, count: int, *, rows: int, deadline: float, seed: int, se
     `seen`, which gains it). With `openings`, each request begins with one of them, in turn
     (the first words of a training prompt: requests shaped like the benchmark's categories)."""
     tokenizer = model.tokenizer
-    marker = "\x00MARK\x00"
-    template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
-                                             tokenize=False)
-    prefix = tokenizer(template[:template.index(marker)], add_special_tokens=False)["input_ids"]
+    prefix = tokenizer(chat_frame(tokenizer)[0], add_special_tokens=False)["input_ids"]
     eos = sorted(model.eos_ids)
     torch.manual_seed(seed)
     texts: list[str] = []
@@ -179,14 +176,20 @@ def teacher(model, sequences: list[list[int]], *, row_tokens: int) -> tuple[torc
     return final, top_ids, top_logp
 
 
-def request_text(model, prompt: list[int]) -> str:
-    """The user's text of a chat-templated prompt (the whole decoded prompt where the template
-    does not frame it as expected)."""
+def chat_frame(tokenizer) -> tuple[str, str]:
+    """The chat template's text before and after a user's message (generation prompt included)."""
     marker = "\x00MARK\x00"
-    template = model.tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
-                                                   tokenize=False)
+    template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                             tokenize=False)
     before, after = template.split(marker)
-    text = model.tokenizer.decode(prompt)
+    return before, after
+
+
+def request_text(tokenizer, frame: tuple[str, str], prompt: list[int]) -> str:
+    """The user's text of a chat-templated prompt, `frame` being chat_frame's (the whole decoded
+    prompt where the template does not frame it so)."""
+    before, after = frame
+    text = tokenizer.decode(prompt)
     if text.startswith(before) and text.endswith(after):
         return text[len(before):len(text) - len(after)].strip()
     return text
@@ -356,7 +359,6 @@ def main() -> None:
     held_texts = [t for t, h in zip(spec, held) if h]
     if args.reuse:
         prompts, answers, sources = reused(Path(args.reuse))
-        texts = [None] * len(prompts)
         first = [model.encode(t).tolist() for t in held_texts]
         if prompts[:len(first)] != first or sources[:len(first)] != ["held"] * len(first):
             parser.error(f"--reuse {args.reuse}: its held-out questions are not this split's "
@@ -365,7 +367,7 @@ def main() -> None:
             keep = reuse_subset([len(p) for p in prompts], [len(p) + len(a) for p, a in zip(prompts, answers)],
                                 sources, args.reuse_positions, args.reuse_long, args.seed)
             prompts, answers, sources = ([x[i] for i in keep] for x in (prompts, answers, sources))
-            texts = [None] * len(prompts)
+        texts = [None] * len(prompts)  # not kept by the earlier run
         log(f"reused {len(prompts)} sequences, {sum(len(p) + len(a) for p, a in zip(prompts, answers))} positions")
     else:
         sources = ["held"] * len(held_texts) + ["spec"] * (len(spec) - len(held_texts)) + ["extra"] * len(extra)
@@ -374,7 +376,8 @@ def main() -> None:
         answers = generate(model.hf_model, prompts, pad=eos[0], eos=eos, rows=args.rows, row_tokens=args.row_tokens,
                            new_tokens=args.new_tokens, deadline=generate_end)
         log(f"answered {sum(a is not None for a in answers)} of {len(prompts)} Spec-Bench and extra prompts")
-    seen = {request_text(model, p).lower() for p in prompts}
+    frame = chat_frame(model.tokenizer)
+    seen = {request_text(model.tokenizer, frame, p).lower() for p in prompts}
     openings = sorted({" ".join(t.split()[:OPENINGS]) for t, h in zip(spec, held) if not h} |
                       {" ".join(t.split()[:OPENINGS]) for t in extra})
     random = np.random.default_rng(args.seed + len(prompts))
