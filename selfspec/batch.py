@@ -15,6 +15,7 @@ The scheduler is not thread-safe except for `submit` and `Request.cancel`: one t
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +29,14 @@ from selfspec.engine import Decoding, verify_forward, verify_rows
 from selfspec.sampling import SamplingParams
 from selfspec.stats import GenerationStats
 
+log = logging.getLogger("selfspec.scheduler")
+
 
 class QueueFull(RuntimeError):
     """More requests are waiting than the scheduler accepts; retry later."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: field-wise == would compare prompt tensors
 class Request:
     prompt_ids: torch.Tensor  # [prompt_len]
     drafter: Drafter  # this request's own instance: drafters keep per-sequence state
@@ -94,6 +97,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
+        # time.monotonic() when the loop last completed a step or found nothing to do: /health's
+        # evidence that decoding moves (selfspec.server).
+        self.last_beat = time.monotonic()
 
     @property
     def queue_depth(self) -> int:
@@ -137,7 +143,12 @@ class Scheduler:
             else:
                 shared.append(row)
         for group in groups + ([shared] if shared else []):
-            self._verify(group)
+            try:
+                self._verify(group)
+            except Exception as error:  # noqa: BLE001 - the forward shared by these rows failed: they end
+                log.exception("a verify over %d rows failed", len(group))
+                for request, seq, _ in group:
+                    self._guard(request, seq, _raise, error)
         self._retire()
         return True
 
@@ -161,12 +172,29 @@ class Scheduler:
                 self._emit(request, seq, tokens)
 
     def run(self, stop: threading.Event) -> None:
-        """Step until `stop` is set, sleeping while there is nothing to do (a server's thread)."""
+        """Step until `stop` is set, sleeping while there is nothing to do (a server's thread).
+        A step that fails outside any one row's work fails the rows it was decoding, never the
+        loop: the next step serves the queue."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as error:  # noqa: BLE001 - reported to each failed request's owner
+                log.exception("a scheduler step failed; ending its %d active requests with the error", len(self.active))
+                self._fail_active(error)
+                busy = True
+            self.last_beat = time.monotonic()
+            if not busy:
                 with self._lock:
                     if not self.waiting and not stop.is_set():
                         self._wake.wait(timeout=0.05)
+                self.last_beat = time.monotonic()
+
+    def _fail_active(self, error: BaseException) -> None:
+        active, self.active = self.active, []
+        for request, seq in active:
+            seq.done = True
+            seq.stop_clock()
+            self._finish(request, error)
 
     def close(self) -> None:
         """Refuse new requests and cancel every waiting and active one; a client still listening
@@ -231,8 +259,8 @@ class Scheduler:
         self._retire()  # before admission, so a waiting request takes the freed row this step
         with self._lock:
             gone = [r for r in self.waiting if r.cancelled.is_set() or r.overdue(now)]
-            for r in gone:
-                self.waiting.remove(r)
+            if gone:
+                self.waiting = collections.deque(r for r in self.waiting if all(r is not g for g in gone))
         for r in gone:
             self._finish_early(r)
 
@@ -260,4 +288,11 @@ class Scheduler:
         t.timed_out += request.timed_out
         for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "draft_s", "prefill_s"):
             setattr(t, name, getattr(t, name) + getattr(s, name))
-        request.on_done(error)
+        try:
+            request.on_done(error)
+        except Exception:  # noqa: BLE001 - the owner's callback failing must not end the loop
+            log.exception("a request's on_done callback failed")
+
+
+def _raise(error: BaseException):
+    raise error

@@ -158,6 +158,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-request-seconds", type=float, default=600,
                     help="wall time from a request's arrival after which it ends with finish_reason 'length' "
                          "and frees its row (default 600; 0: no limit)")
+    sv.add_argument("--stall-seconds", type=float, default=120,
+                    help="GET /health answers 503 when requests are being decoded and no decoding step has ended "
+                         "for this long (default 120); if the decoding loop dies the server exits with status 1")
     sv.add_argument("--drain-seconds", type=float, default=5,
                     help="on SIGTERM or Ctrl-C, seconds that active requests may run on before they are "
                          "cancelled and the server exits (default 5)")
@@ -477,8 +480,11 @@ def _serve(args) -> int:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.max_request_seconds < 0 or args.drain_seconds < 0:
         raise ValueError("--max-request-seconds and --drain-seconds must be >= 0")
+    if args.stall_seconds <= 0:
+        raise ValueError("--stall-seconds must be > 0")
     server_options = dict(max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key, options=options,
-                          served_name=args.name, max_request_seconds=args.max_request_seconds or None)
+                          served_name=args.name, max_request_seconds=args.max_request_seconds or None,
+                          stall_seconds=args.stall_seconds)
     if args.replicas is not None or args.autoscale or args.ray_address:
         return _serve_replicas(args, server_options)
     model = _load(args)
@@ -491,8 +497,19 @@ def _serve(args) -> int:
     print(f"selfspec: serving {name!r} on http://{args.host}:{args.port}/v1 (speculation: {method}; batch "
           f"{args.max_batch}, queue {args.max_queue}{'; API key required' if args.api_key else ''})", file=sys.stderr)
     # uvicorn waits for open requests on SIGTERM; the timeout bounds that wait, then cancels them.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=log_config(),
-                timeout_graceful_shutdown=args.drain_seconds)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                         log_config=log_config(), timeout_graceful_shutdown=args.drain_seconds))
+    state = app.state.server
+
+    def fatal(error: BaseException) -> None:  # the scheduler's thread died: exit so a supervisor restarts us
+        http.should_exit = True
+
+    state.on_fatal = fatal
+    http.run()
+    if state.fatal is not None:
+        print(f"selfspec: error: decoding stopped ({type(state.fatal).__name__}: {state.fatal}); exiting",
+              file=sys.stderr)
+        return 1
     return 0
 
 

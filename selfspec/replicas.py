@@ -133,7 +133,18 @@ class Replica:
         ray, serve = require()
         board = ray.get_actor(BOARD, namespace=NAMESPACE)
         peers = Peers(board, serve.get_replica_context().replica_tag)
-        return create_app(self.model, **self.server_options, peers=peers)
+        app = create_app(self.model, **self.server_options, peers=peers)
+        self.server = app.state.server
+        return app
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic probe: a replica whose decoding loop died or stalled raises here,
+        and Ray Serve replaces it."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            ok, body = server.health()
+            if not ok:
+                raise RuntimeError(body["error"])
 
 
 class PortTaken(RuntimeError):

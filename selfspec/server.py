@@ -34,9 +34,11 @@ from selfspec.openai_schema import ChatRequest, CompletionRequest, Reply, error_
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (OpenAI's own default is the context's room)
 DEFAULT_MAX_REQUEST_S = 600.0  # generous: SmolLM2's 2048-token context on 2 busy cores takes minutes
+DEFAULT_STALL_S = 120.0  # /health fails when rows are active and no step has ended for this long
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 access_log = logging.getLogger("selfspec.access")
+log = logging.getLogger("selfspec.server")
 
 
 class ApiError(Exception):
@@ -51,10 +53,13 @@ class Server:
 
     def __init__(self, model: SelfSpecModel, *, max_batch: int = 8, max_queue: int = 32,
                  api_key: str | None = None, options: dict | None = None, served_name: str | None = None,
-                 max_request_seconds: float | None = DEFAULT_MAX_REQUEST_S, peers=None):
+                 max_request_seconds: float | None = DEFAULT_MAX_REQUEST_S, peers=None,
+                 stall_seconds: float = DEFAULT_STALL_S, on_fatal=None):
         """max_request_seconds: wall time from arrival after which a request ends with finish_reason
         "length" (None: no limit). peers: where replicas pool their /metrics (selfspec.replicas.Peers);
-        None for a lone server."""
+        None for a lone server. stall_seconds: /health answers 503 when rows are active and no
+        scheduler step has ended for this long. on_fatal(error): called once if the scheduler's
+        thread dies (`selfspec serve` then exits non-zero, for its supervisor to restart it)."""
         self.model = model
         self.name = served_name or model.name
         self.scheduler = Scheduler(model.adapter, max_batch=max_batch, max_queue=max_queue)
@@ -64,13 +69,43 @@ class Server:
         self.max_request_seconds = max_request_seconds
         self.peers = peers
         self.started = int(time.time())
+        self.stall_seconds = stall_seconds
+        self.on_fatal = on_fatal
+        self.fatal: BaseException | None = None  # what ended the scheduler's thread, if it died
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="selfspec-scheduler",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._decode, name="selfspec-scheduler", daemon=True)
         self._thread.start()
+
+    def _decode(self) -> None:
+        """The scheduler's thread. Its loop survives any one request's or step's failure; if the
+        loop itself ends with an error, every request still held is failed and `on_fatal` runs."""
+        try:
+            self.scheduler.run(self._stop)
+        except BaseException as error:  # noqa: BLE001 - nothing decodes any more: say so and stop
+            self.fatal = error
+            log.critical("the scheduler's loop died; nothing is decoded any more", exc_info=error)
+            with contextlib.suppress(Exception):
+                self.scheduler.close()
+            if self.on_fatal is not None:
+                self.on_fatal(error)
+
+    def health(self) -> tuple[bool, dict]:
+        """Liveness of decoding, not only of HTTP: the scheduler's thread runs, and while rows are
+        active its steps keep ending."""
+        s = self.scheduler
+        since = time.monotonic() - s.last_beat
+        body = {"model": self.name, "active": len(s.active), "queued": s.queue_depth,
+                "seconds_since_step": round(since, 3)}
+        if self._thread is None or not self._thread.is_alive() or self.fatal is not None:
+            why = f": {type(self.fatal).__name__}: {self.fatal}" if self.fatal is not None else ""
+            return False, {"status": "dead", "error": f"the scheduler's thread is not running{why}", **body}
+        if (s.active or s.queue_depth) and since > self.stall_seconds:
+            return False, {"status": "stalled", "error": f"no scheduler step has ended for {since:.0f} s "
+                                                         f"(limit {self.stall_seconds:g} s)", **body}
+        return True, {"status": "ok", **body}
 
     def stop(self) -> None:
         self._stop.set()
@@ -129,6 +164,9 @@ class Server:
             self.rejected["queue_full"] += 1
             raise ApiError(503, "the server is at capacity: retry shortly", type_="server_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        except RuntimeError:  # closed: shutting down, or its loop died
+            raise ApiError(503, "the server is not decoding (shutting down or failed): retry on another "
+                                "instance", type_="server_error", code="not_serving")
         return request
 
     def finished(self, job: Job) -> None:
@@ -138,6 +176,8 @@ class Server:
         access_log.info("%s %s prompt=%d completion=%d method=%s alpha=%s seconds=%.2f finish=%s", job.id,
                         job.route, stats.prompt_tokens, stats.new_tokens, stats.method, alpha,
                         time.perf_counter() - job.request.submitted_s, job.outcome)
+        if job.outcome == "error":
+            log.error("%s failed", job.id, exc_info=job.error)
         if self.peers is not None:
             self.peers.publish(metrics.snapshot(self))
 
@@ -249,8 +289,8 @@ def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.name, "active": len(server.scheduler.active),
-                "queued": server.scheduler.queue_depth}
+        ok, body = server.health()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models():
