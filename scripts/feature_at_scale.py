@@ -13,7 +13,7 @@ conversations. This script makes data at that scale on a GPU, in one command, an
    `--extra-prompts` (the synthetic prompts), batched with transformers' `generate` on the GPU.
 3. **The teacher**, one batched forward over every sequence: h_L (the input of the model's final
    norm) and the top-64 next-token log-probabilities at every position, as calibrate keeps them.
-4. **Training**, the loss of `selfspec.feature_calibrate` (KL through the pruned draft head plus the
+4. **Training**, the loss of `selfspec.tools.feature_calibrate` (KL through the pruned draft head plus the
    smooth-L1 pull to h_L), on windows of ≤ 512 positions, every position an example; several heads
    at once, each on its own data: `all` (everything), `spec` (the Spec-Bench training questions
    only: the CPU recipe's data, the control) and `wide` (everything, 8 heads × 64, MLP 1536). The
@@ -49,10 +49,10 @@ sys.path.insert(0, str(ROOT))
 
 from selfspec import draft_head  # noqa: E402
 from selfspec.api import load  # noqa: E402
-from selfspec.bench import load_prompts  # noqa: E402
-from selfspec.calibrate import TOP, held_out_prompts  # noqa: E402
-from selfspec.feature_calibrate import Student  # noqa: E402
-from selfspec.feature_head import FeatureHead, load_feature_head, save_feature_head, shipped_path  # noqa: E402
+from selfspec.tools.bench import load_prompts  # noqa: E402
+from selfspec.tools.calibrate import TOP, held_out_prompts  # noqa: E402
+from selfspec.tools.feature_calibrate import Student  # noqa: E402
+from selfspec.heads.feature_head import FeatureHead, load_feature_head, save_feature_head, shipped_path  # noqa: E402
 
 T0 = time.perf_counter()
 HEADS = {"all": dict(heads=4, width=None), "spec": dict(heads=4, width=None), "wide": dict(heads=8, width=1536),

@@ -12,7 +12,7 @@ import time
 import warnings
 
 import selfspec
-from selfspec.threads import apply_threads
+from selfspec.model.threads import apply_threads
 
 warnings.simplefilter("ignore")
 threads = apply_threads(None)

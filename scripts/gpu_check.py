@@ -12,7 +12,7 @@
                                                  # cost on CUDA (c 12-18 on an H200) is unexplained
 
 Modes: "eager" is exact mode with SELFSPEC_CUDA_GRAPHS=0 (PyTorch ops launched one by one);
-"graphs" captures each decode forward as a CUDA graph (selfspec.cuda_graphs); "compiled" adds
+"graphs" captures each decode forward as a CUDA graph (selfspec.model.cuda_graphs); "compiled" adds
 torch.compile's fused kernels inside those graphs; "default" is --no-exact, uncompiled.
 """
 
@@ -81,8 +81,8 @@ def _smollm2_random(device):
 
 
 def costs(device: str, model_name: str | None, random: bool, modes: list[str]) -> dict:
-    from selfspec.loading import load_hf
-    from selfspec.tuner.costs import measure_costs
+    from selfspec.model.loading import load_hf
+    from selfspec.tools.tune.costs import measure_costs
 
     out = {}
     if random:
@@ -111,7 +111,7 @@ def profile(device: str, model_name: str | None, method: str, modes: list[str]) 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from selfspec.loading import load_hf
+    from selfspec.model.loading import load_hf
 
     loaded = load_hf(model_name, dtype=torch.bfloat16, device=device, progress=False)
     prompt = "Explain the difference between a list and a tuple in Python, with examples."

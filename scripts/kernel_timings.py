@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import selfspec
-from selfspec import gemv
-from selfspec.roofline import measure_bandwidth
-from selfspec.skips import SkipSet
+from selfspec.native import gemv
+from selfspec.tools.roofline import measure_bandwidth
+from selfspec.model.skips import SkipSet
 
 
 def median_ms(jobs: dict, repeats: int) -> dict:

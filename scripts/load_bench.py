@@ -7,7 +7,7 @@ generated tokens/s, time to first token and p50/p99 request latency, and fails l
 failed request. Bounded: clients × requests per mode, and `--timeout` seconds per request.
 
 With `--replicas 1 2`, speculation on only: the single process first, then the same load through
-Ray Serve replicas (selfspec.replicas, a local Ray instance on loopback) for each count given;
+Ray Serve replicas (selfspec.serve.replicas, a local Ray instance on loopback) for each count given;
 every greedy answer must equal the single process's, and a differing one counts as failed.
 
     .venv/bin/python scripts/load_bench.py --clients 4 --requests 3 --max-tokens 64
@@ -34,8 +34,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 import selfspec
-from selfspec.bench import load_prompts
-from selfspec.server import create_app
+from selfspec.tools.bench import load_prompts
+from selfspec.serve.server import create_app
 
 
 def main() -> int:
@@ -102,7 +102,7 @@ def run_mode(model, method: str, prompts: list[str], args) -> tuple[dict, dict]:
 def run_replicas(model, prompts: list[str], args) -> dict:
     """Speculation on: one process, then the same load on N replicas for each N; answers that differ
     from the single process's count as failed."""
-    from selfspec import replicas
+    from selfspec.serve import replicas
 
     label = f"1 process, on ({args.on})"
     results = {}

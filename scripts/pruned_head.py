@@ -1,5 +1,5 @@
 """Measure the pruned draft head on a bundled model: α at the first draft position and the draft
-cost c, for each exit layer k and subset size N (see selfspec.draft_head).
+cost c, for each exit layer k and subset size N (see selfspec.heads.draft_head).
 
     python scripts/pruned_head.py --out results/pruned_head/smollm2.json
 
@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 import selfspec
-from selfspec.bench import load_prompts, machine
-from selfspec.calibrate import self_distillation
-from selfspec.draft_head import PrunedHead, count_tokens, coverage, load_ranking, rank_tokens
-from selfspec.tuner.costs import measure_costs
-from selfspec.tuner.trace import exit_states, trace
+from selfspec.tools.bench import load_prompts, machine
+from selfspec.tools.calibrate import self_distillation
+from selfspec.heads.draft_head import PrunedHead, count_tokens, coverage, load_ranking, rank_tokens
+from selfspec.tools.tune.costs import measure_costs
+from selfspec.tools.tune.trace import exit_states, trace
 
 FULL = 0  # the N that stands for the model's own, full head
 
@@ -129,8 +129,8 @@ def main(argv=None) -> int:
         counts, train_ids = ranking_from_training_prompts(model, args.train_prompts, args.train_tokens)
         ranking = rank_tokens(counts)
         if args.save:
-            from selfspec import draft_head
-            from selfspec.profiles import save_section
+            from selfspec.heads import draft_head
+            from selfspec.model.profiles import save_section
 
             source = dict(prompts="calibration_train.jsonl", num_prompts=len(train_ids), tokens=args.train_tokens)
             path = draft_head.save_ranking(counts, draft_head.default_path(model.identity), model.identity, source)

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     import selfspec
-    from selfspec.server import create_app
+    from selfspec.serve.server import create_app
 
     model = selfspec.load(args.model, progress=False)
     access = collections.Counter()

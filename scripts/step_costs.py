@@ -18,8 +18,8 @@ import torch
 
 import selfspec
 from selfspec.api import EXACT_ROWS, SelfSpecModel
-from selfspec.roofline import measure_bandwidth, roofline
-from selfspec.tuner.costs import measure_costs
+from selfspec.tools.roofline import measure_bandwidth, roofline
+from selfspec.tools.tune.costs import measure_costs
 
 MODES = {"general": dict(lean=False), "eager": dict(), "compiled": dict(compile=True),
          "exact": dict(exact=True), "exact-compiled": dict(exact=True, compile=True)}

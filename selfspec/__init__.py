@@ -2,8 +2,8 @@
 verifies with one full forward, on one shared KV cache; output is exactly the full model's."""
 
 from selfspec.api import Chunk, Generation, SelfSpecModel, Stream, load
-from selfspec.sampling import SamplingParams
-from selfspec.stats import GenerationStats
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.stats import GenerationStats
 
 __version__ = "0.1.0"
 

@@ -14,20 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec import gemv
-from selfspec.adapter import ModelAdapter
+from selfspec.native import gemv
+from selfspec.model.adapter import ModelAdapter
 from selfspec.drafters import Drafter, make_drafter
-from selfspec.engine import check_length, decode
-from selfspec.exit_adapter import adapter_exit_layer
-from selfspec.loading import LoadedModel, load_hf
-from selfspec.profiles import ModelIdentity, load_profile, runs_here, shipped_choice
-from selfspec.quantize import ACTIVATION_DTYPE, quantize_int4, quantize_int8
-from selfspec.sampling import SamplingParams
-from selfspec.skips import SkipSet
-from selfspec.stats import GenerationStats
-from selfspec.step import unsupported_reason
-from selfspec.tuner.run import ENGINE
-from selfspec.tuner.run import SECTION as TUNE_SECTION
+from selfspec.core.engine import check_length, decode
+from selfspec.heads.exit_adapter import adapter_exit_layer
+from selfspec.model.loading import LoadedModel, load_hf
+from selfspec.model.profiles import ENGINE, TUNE_SECTION, ModelIdentity, load_profile, runs_here, shipped_choice
+from selfspec.model.quantize import ACTIVATION_DTYPE, quantize_int4, quantize_int8
+from selfspec.core.sampling import SamplingParams
+from selfspec.model.skips import SkipSet
+from selfspec.core.stats import GenerationStats
+from selfspec.model.step import unsupported_reason
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NOTED_UNTUNED: set[str] = set()  # models whose "no tuned profile" note this process has given
@@ -69,7 +67,7 @@ class SelfSpecModel:
     hf_model: torch.nn.Module
     tokenizer: object | None = None  # None: prompts must be token ids
     name: str = "model"
-    # The lean step (selfspec.step) runs drafts and verifies where the model supports it; compile
+    # The lean step (selfspec.model.step) runs drafts and verifies where the model supports it; compile
     # compiles it per row bucket; exact runs every forward in EXACT_ROWS rows (greedy identity by
     # construction, on any CPU or GPU).
     lean: bool = True
@@ -236,9 +234,9 @@ class SelfSpecModel:
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, max_batch: int = 8, **options) -> list[Generation]:
         """Generate for several prompts decoded together in one batch (continuous batching: see
-        selfspec.batch); same options as `stream`, applied to every prompt. Each result is what
+        selfspec.core.batch); same options as `stream`, applied to every prompt. Each result is what
         `generate` gives for that prompt alone (greedy: token for token)."""
-        from selfspec.batch import Scheduler
+        from selfspec.core.batch import Scheduler
 
         scheduler = Scheduler(self.adapter, max_batch=max_batch, max_queue=len(prompts))
         results, errors = [], []
@@ -359,9 +357,9 @@ class Prepared:
     eos_ids: frozenset[int]
 
     def request(self, on_tokens, on_done):
-        """This generation as a request for the batch scheduler (see selfspec.batch.Request for
+        """This generation as a request for the batch scheduler (see selfspec.core.batch.Request for
         the two callbacks)."""
-        from selfspec.batch import Request
+        from selfspec.core.batch import Request
 
         return Request(self.ids, self.drafter, self.sampling, self.max_new_tokens, self.stats,
                        on_tokens=on_tokens, on_done=on_done, eos_ids=self.eos_ids)
@@ -426,7 +424,7 @@ def load(
 
     dtype: "auto" (bfloat16 where the device computes it natively, else float32; see
     `default_dtype`), float32, bfloat16, float16, int8 or int4 (weight-only, bfloat16 activations; see
-    selfspec.quantize). compile: compile the decode step (None: `default_compile`). exact: every
+    selfspec.model.quantize). compile: compile the decode step (None: `default_compile`). exact: every
     forward in one fixed row bucket, so greedy output is bit-identical to AR by construction (None:
     on for bfloat16 and int4, off otherwise; see `default_exact`). lean:
     False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path."""
@@ -463,7 +461,7 @@ def check_exact_draft(draft_len: int) -> None:
 def default_dtype(device: str = "cpu") -> str:
     """bfloat16 on CUDA, on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), and where
     selfspec's own product kernel runs (x86 with AVX2 and g++): a step reads half float32's bytes,
-    and a prefill's products widen to float32 where bfloat16 is emulated (selfspec.wide_product).
+    and a prefill's products widen to float32 where bfloat16 is emulated (selfspec.model.wide_product).
     On a 2-core AMD EPYC with AVX2 only, plain decoding ran 25.3 tok/s in bfloat16 against 17.2 in
     float32 on the bench prompts (README, "A fourth CPU"). float32 elsewhere (no kernel: PyTorch's
     emulated bfloat16 products are slow)."""

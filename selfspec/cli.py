@@ -10,7 +10,7 @@ import sys
 import warnings
 
 from selfspec.drafters import METHODS
-from selfspec.loading import BUNDLED, DEFAULT_MODEL
+from selfspec.model.loading import BUNDLED, DEFAULT_MODEL
 
 MODEL_HELP = (
     f"bundled model name ({', '.join(BUNDLED)}; default {DEFAULT_MODEL}), a local Hugging Face checkpoint "
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["SELFSPEC_CACHE"] = args.cache_dir
     try:
         if hasattr(args, "threads"):
-            from selfspec.threads import apply_threads
+            from selfspec.model.threads import apply_threads
 
             note = apply_threads(args.threads)
             if note:
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "serve":
             return _serve(args)
-        from selfspec.bench import run_bench
+        from selfspec.tools.bench import run_bench
 
         return run_bench(args)
     except (ValueError, ModuleNotFoundError, FileNotFoundError) as err:
@@ -471,7 +471,7 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     import uvicorn
 
-    from selfspec.server import create_app, log_config
+    from selfspec.serve.server import create_app, log_config
 
     options = _speculation(args)
     _check_options(options)
@@ -514,12 +514,12 @@ def _serve(args) -> int:
 
 
 def _serve_replicas(args, server_options: dict) -> int:
-    """`serve` as Ray Serve replicas (selfspec.replicas), in the foreground until SIGTERM or Ctrl-C."""
+    """`serve` as Ray Serve replicas (selfspec.serve.replicas), in the foreground until SIGTERM or Ctrl-C."""
     import functools
     import signal
     import threading
 
-    from selfspec import replicas
+    from selfspec.serve import replicas
 
     scale = replicas.Scale.parse(args.replicas, args.autoscale)
     try:
@@ -588,7 +588,7 @@ def _check_model_options(args, options: dict) -> None:
     """Checks that need the model's shape or the engine mode, before the model loads: the exit
     layer against the layer count in the config on disk, and exact mode's draft-length limit."""
     from selfspec.api import check_exact_draft, default_dtype, default_exact
-    from selfspec.loading import peek_layers
+    from selfspec.model.loading import peek_layers
 
     k = options.get("exit_layer")
     n_layers = peek_layers(args.model, args.cache_dir)
@@ -605,7 +605,7 @@ def _check_prompt_length(args, prompt: str) -> None:
     lower bound) plus --max-new-tokens cannot fit the model's context. Needs the tokenizer and
     config on disk (a converted bundled model or a checkpoint directory); else the engine checks
     after loading."""
-    from selfspec.loading import checkpoint_on_disk, peek_config
+    from selfspec.model.loading import checkpoint_on_disk, peek_config
 
     root = checkpoint_on_disk(args.model, args.cache_dir)
     limit = peek_config(args.model, args.cache_dir).get("max_position_embeddings")
@@ -625,12 +625,12 @@ def _check_prompt_length(args, prompt: str) -> None:
 
 def _check_options(options: dict) -> None:
     """Cheap argument checks before the (slow) model load; sampling ones only when given."""
-    from selfspec.sampling import SamplingParams
+    from selfspec.core.sampling import SamplingParams
 
     if "temperature" in options:
         SamplingParams(temperature=options["temperature"], top_k=options["top_k"], top_p=options["top_p"])
     if options["skip"] is not None:
-        from selfspec.skips import SkipSet
+        from selfspec.model.skips import SkipSet
 
         options["skip"] = SkipSet.parse(options["skip"])
     for name in ("every", "ngram"):
@@ -653,7 +653,7 @@ def _check_options(options: dict) -> None:
 
 
 def _calc(args) -> int:
-    from selfspec.calc import best_gamma, ceiling, expected_tokens, parse_values, speedup
+    from selfspec.tools.calc import best_gamma, ceiling, expected_tokens, parse_values, speedup
 
     alphas, gammas = parse_values(args.alpha), parse_values(args.draft_len, int)
     costs, verifies = parse_values(args.cost), parse_values(args.verify)
@@ -678,10 +678,10 @@ def _calc(args) -> int:
 
 
 def _search(args) -> int:
-    from selfspec.bench import load_prompts
-    from selfspec.drafters.layer_skip import SECTION
-    from selfspec.profiles import save_section
-    from selfspec.search import search_skip_set
+    from selfspec.tools.bench import load_prompts
+    from selfspec.drafters.layers.layer_skip import SECTION
+    from selfspec.model.profiles import save_section
+    from selfspec.tools.search import search_skip_set
 
     if args.iterations < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.draft_len < 1:
         raise ValueError("--iterations, --num-prompts, --max-new-tokens and --draft-len must be >= 1")
@@ -706,8 +706,8 @@ def _search(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from selfspec.bench import load_prompts
-    from selfspec.calibrate import calibrate, save
+    from selfspec.tools.bench import load_prompts
+    from selfspec.tools.calibrate import calibrate, save
 
     if args.steps is None:
         args.steps = 2000 if args.head == "feature" else 500
@@ -745,7 +745,7 @@ def _calibrate(args) -> int:
         setup["extra_prompts"] = len(extra)
         return _calibrate_feature(args, model, prompts, setup, texts, extra)
     if args.head == "context":
-        from selfspec.context_calibrate import calibrate_context
+        from selfspec.tools.context_calibrate import calibrate_context
 
         vocab = model.adapter.lm_head.out_features
         train_vocab = args.train_vocab if args.train_vocab is not None else (32768 if vocab > 100_000 else None)
@@ -782,7 +782,7 @@ def _calibrate(args) -> int:
         print("α by draft position: held out, on the model's own greedy outputs, every output position a round's "
               "start, no γ cap or confidence stop")
     if result.draft_head_path is not None:
-        from selfspec.draft_head import coverage
+        from selfspec.heads.draft_head import coverage
 
         shares = ", ".join(f"{n}: {c:.1%}" for n, c in coverage(result.token_counts).items())
         print(f"draft-head ranking: {result.draft_head_path} (share of the counted tokens the top N cover: {shares}; "
@@ -791,7 +791,7 @@ def _calibrate(args) -> int:
 
 
 def _calibrate_feature(args, model, prompts: list[str], setup: dict, texts: list[str], extra: list[str]) -> int:
-    from selfspec import feature_calibrate
+    from selfspec.tools import feature_calibrate
 
     train_vocab = 8192 if args.train_vocab is None else args.train_vocab
     if args.samples < 0 or args.noise < 0:
@@ -824,10 +824,10 @@ def _calibrate_feature(args, model, prompts: list[str], setup: dict, texts: list
 
 
 def _tune(args) -> int:
-    from selfspec.bench import load_prompts, machine
-    from selfspec.profiles import save_section
-    from selfspec.tuner import SECTION, tune
-    from selfspec.tuner.plots import write_plots
+    from selfspec.tools.bench import load_prompts, machine
+    from selfspec.model.profiles import save_section
+    from selfspec.tools.tune import SECTION, tune
+    from selfspec.tools.tune.plots import write_plots
 
     exit_layers = [int(k) for entry in (args.exit_layer or []) for k in entry.split(",") if k.strip()] or None
     for name in ("per_category", "max_draft_len", "repeats", "ngram"):
@@ -878,7 +878,7 @@ def _tune(args) -> int:
 def _train(args) -> int:
     from pathlib import Path
 
-    from selfspec.train import Recipe, default_exit_layers, prepare, save, train
+    from selfspec.tools.train import Recipe, default_exit_layers, prepare, save, train
 
     recipe = Recipe(steps=args.steps, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
                     p_max=args.p_max, e_scale=args.e_scale, curriculum=args.curriculum, rotation=args.rotation,

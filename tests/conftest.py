@@ -62,11 +62,11 @@ def one_thread_for_tiny_models(request):
 
 @pytest.fixture(params=["auto", "pairs", "avx512", "avx2"])
 def path(request, monkeypatch):
-    """The kernel library (selfspec.gemv) this CPU picks, its build without AMX, its AVX-512 build
+    """The kernel library (selfspec.native.gemv) this CPU picks, its build without AMX, its AVX-512 build
     without the bfloat16 pairs and its AVX2 build (each the same as the next where the CPU lacks
     AMX, AVX512-BF16 or AVX-512), so every code path of the kernels this CPU can run is tested on it."""
     if request.param != "auto":
-        from selfspec import gemv
+        from selfspec.native import gemv
 
         monkeypatch.setenv("SELFSPEC_GEMV", request.param)
         monkeypatch.setitem(gemv._STATE, "lib", gemv._build())

@@ -3,7 +3,7 @@
 import torch
 from scipy.stats import chisquare
 
-from selfspec.sampling import SamplingParams, logits_to_probs
+from selfspec.core.sampling import SamplingParams, logits_to_probs
 from tiny_models import VOCAB
 
 PROMPT = [5, 17, 33, 3, 60, 71, 8, 90, 41]

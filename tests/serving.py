@@ -9,7 +9,7 @@ import uvicorn
 from transformers import LlamaConfig
 
 import selfspec
-from selfspec.server import create_app
+from selfspec.serve.server import create_app
 from tiny_models import COMMON, build, tiny_model, tiny_tokenizer
 
 # Each message's words, then "w3" to start the answer: enough for the chat route on a tiny model.

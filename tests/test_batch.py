@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from lossless import PROMPT, REPETITIVE
-from selfspec.batch import QueueFull, Scheduler
+from selfspec.core.batch import QueueFull, Scheduler
 
 PROMPTS = [PROMPT, REPETITIVE, [7, 3, 9], PROMPT[:4] + REPETITIVE[:6], [11] * 12]
 

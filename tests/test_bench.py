@@ -7,9 +7,9 @@ from argparse import Namespace
 import pytest
 import torch
 
-from selfspec import bench
-from selfspec.cache import KVCache
-from selfspec.memory import MIB, MemoryUse, peak_memory
+from selfspec.tools import bench
+from selfspec.model.cache import KVCache
+from selfspec.tools.memory import MIB, MemoryUse, peak_memory
 from tiny_models import COMMON
 
 PROMPT = [5, 17, 33, 8, 61, 5, 17, 33, 12]
@@ -103,7 +103,7 @@ def test_tally_keeps_the_most_memory_over_prompts():
 def test_decode_rate_leaves_out_each_prefill_and_its_token():
     """tok/s counts the prefill; the decode rate is the tokens after each run's first over the
     time after its prefill, the part a draft can speed up."""
-    from selfspec.stats import GenerationStats
+    from selfspec.core.stats import GenerationStats
 
     tally = bench.Tally()
     assert tally.decode_tokens_per_s is None  # transformers' rows carry no engine stats
@@ -116,7 +116,7 @@ def test_decode_rate_leaves_out_each_prefill_and_its_token():
 
 
 def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
-    from selfspec.profiles import save_section
+    from selfspec.model.profiles import save_section
 
     monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path))  # this test's profiles only
     model = tiny("llama")
@@ -142,7 +142,7 @@ def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
 def test_llamacpp_reference_finds_the_gguf_and_says_how_to_install(monkeypatch):
     import builtins
 
-    from selfspec.llamacpp_reference import LlamaCpp, gguf_path
+    from selfspec.tools.llamacpp_reference import LlamaCpp, gguf_path
 
     path = gguf_path("smollm2")
     assert path.suffix == ".gguf" and path.is_file()
@@ -161,7 +161,7 @@ def test_llamacpp_reference_finds_the_gguf_and_says_how_to_install(monkeypatch):
 
 
 def test_named_code_set_keeps_bench_and_held_out_apart():
-    from selfspec.bench import load_prompts
+    from selfspec.tools.bench import load_prompts
 
     bench = load_prompts("code", 4)
     held_out = load_prompts("code", 10**9, default="calibration.jsonl")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from selfspec.cache import KVCache
+from selfspec.model.cache import KVCache
 
 
 def make(capacity=8):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from selfspec.calc import best_gamma, ceiling, expected_tokens, parse_values, speedup
+from selfspec.tools.calc import best_gamma, ceiling, expected_tokens, parse_values, speedup
 
 
 @pytest.mark.parametrize("cost, alpha, gamma, tokens, gain", [

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from lossless import assert_greedy_lossless, assert_sampling_matches_target
-from selfspec.drafters.clasp import Clasp, plan_skips
-from selfspec.skips import SkipSet
+from selfspec.drafters.layers.clasp import Clasp, plan_skips
+from selfspec.model.skips import SkipSet
 from tiny_models import ARCHS
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lossless import assert_greedy_lossless, assert_sampling_matches_target
-from selfspec.drafters import conflayers
-from selfspec.drafters.base import Draft
-from selfspec.drafters.conflayers import (
+from selfspec.drafters.layers import conflayers
+from selfspec.core.draft import Draft
+from selfspec.drafters.layers.conflayers import (
     ConfLayers,
     KeepBest,
     adapt_multiplier,
@@ -17,8 +17,8 @@ from selfspec.drafters.conflayers import (
     sublayer_confidence,
     threshold_skip,
 )
-from selfspec.skips import SkipSet
-from selfspec.stats import GenerationStats
+from selfspec.model.skips import SkipSet
+from selfspec.core.stats import GenerationStats
 from tiny_models import ARCHS
 
 D = 64

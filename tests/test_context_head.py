@@ -16,9 +16,9 @@ from tiny_models import VOCAB, tiny_checkpoint_with_prompts, tiny_model
 
 import selfspec
 from selfspec.api import EXACT_ROWS
-from selfspec.calibrate import save, self_distillation
+from selfspec.tools.calibrate import save, self_distillation
 from selfspec.cli import main
-from selfspec.context_calibrate import (
+from selfspec.tools.context_calibrate import (
     Sequences,
     Student,
     alpha_by_position,
@@ -26,7 +26,7 @@ from selfspec.context_calibrate import (
     run_lengths,
     train_context_head,
 )
-from selfspec.context_head import (
+from selfspec.heads.context_head import (
     SECTION,
     ContextHead,
     default_path,
@@ -34,19 +34,19 @@ from selfspec.context_head import (
     read_header,
     save_context_head,
 )
-from selfspec.draft_head import PrunedHead
+from selfspec.heads.draft_head import PrunedHead
 from selfspec.drafters import EarlyExit, make_drafter
-from selfspec.engine import Decoding, verify_rows
-from selfspec.exit_adapter import ExitAdapter, save_exit_adapter
-from selfspec.profiles import (
+from selfspec.core.engine import Decoding, verify_rows
+from selfspec.heads.exit_adapter import ExitAdapter, save_exit_adapter
+from selfspec.model.profiles import (
     ModelIdentity,
     ProfileMismatchError,
     load_profile,
     save_section,
 )
-from selfspec.sampling import SamplingParams
-from selfspec.stats import GenerationStats
-from selfspec.tuner.trace import exit_states
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.stats import GenerationStats
+from selfspec.tools.tune.trace import exit_states
 
 HIDDEN = 64  # the tiny models' hidden size
 
@@ -293,7 +293,7 @@ def test_step_attention_backends_on_cuda_compute_the_same_attention():
     """A drafting step's attention on CUDA avoids cuDNN's (a new plan per key length: the head's
     c was 12-18 on an H200). The backends it allows exist in this torch and give the same
     attention as the default choice; run here on the CPU, where the step uses the default."""
-    from selfspec.context_head import _STEP_BACKENDS, _attend
+    from selfspec.heads.context_head import _STEP_BACKENDS, _attend
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16)

@@ -1,4 +1,4 @@
-"""CUDA graphs for exact mode's forwards (selfspec.cuda_graphs), their keying and static buffers,
+"""CUDA graphs for exact mode's forwards (selfspec.model.cuda_graphs), their keying and static buffers,
 tested on the CPU with a stand-in that "captures" by keeping the function and "replays" by
 calling it again: as a real graph, it sees only what it held at capture and what the static
 input buffers hold at replay, so a forward that read anything else would go wrong here too."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lossless import PROMPT, REPETITIVE, assert_greedy_lossless
-from selfspec import cuda_graphs
+from selfspec.model import cuda_graphs
 from selfspec.api import EXACT_ROWS, SelfSpecModel
 from tiny_models import ARCHS, tiny_model
 
@@ -81,7 +81,7 @@ def test_later_generations_reuse_cache_storage_and_its_graphs():
 
 
 def test_a_reused_cache_starts_zeroed_and_a_wrong_shape_is_refused():
-    from selfspec.cache import KVCache
+    from selfspec.model.cache import KVCache
 
     used = KVCache(2, 1, 4, 8, dtype=torch.float32, device="cpu")
     used.keys.fill_(3.0)

@@ -8,13 +8,13 @@ from scipy.stats import chisquare
 
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target, exact_second_token_marginal
 from selfspec import cli
-from selfspec.calibrate import calibrate, save
-from selfspec.draft_head import (SECTION, PrunedHead, count_tokens, coverage, load_ranking, rank_tokens,
+from selfspec.tools.calibrate import calibrate, save
+from selfspec.heads.draft_head import (SECTION, PrunedHead, count_tokens, coverage, load_ranking, rank_tokens,
                                  read_header, save_ranking)
 from selfspec.drafters import EarlyExit, make_drafter
-from selfspec.profiles import ModelIdentity, ProfileMismatchError, load_profile
-from selfspec.sampling import SamplingParams
-from selfspec.verifier import rejection_sample
+from selfspec.model.profiles import ModelIdentity, ProfileMismatchError, load_profile
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.verifier import rejection_sample
 from tiny_models import VOCAB
 
 HIDDEN = 64  # the tiny models' hidden size

@@ -4,7 +4,7 @@ registry, the API and the CLI know each of them by name."""
 import pytest
 import torch
 
-import selfspec.cache
+import selfspec.model.cache
 from lossless import REPETITIVE, assert_greedy_lossless
 from selfspec.drafters import METHODS
 
@@ -32,8 +32,8 @@ def test_every_method_has_options_here():
 @pytest.fixture
 def feature_head(tiny, tmp_path):
     """A feature head for the tiny llama, named by its profile for the test's duration."""
-    from selfspec.feature_head import SECTION, FeatureHead, save_feature_head
-    from selfspec.profiles import save_section
+    from selfspec.heads.feature_head import SECTION, FeatureHead, save_feature_head
+    from selfspec.model.profiles import save_section
 
     model = tiny("llama")
     head = FeatureHead(64, model.n_layers, heads=2, head_dim=16)
@@ -50,7 +50,7 @@ def test_one_cache_per_generation_never_cloned(method, tiny, monkeypatch, reques
     model = tiny(ARCH.get(method, "llama"))
     caches = []
     clones = []
-    init = selfspec.cache.KVCache.__init__
+    init = selfspec.model.cache.KVCache.__init__
     clone = torch.Tensor.clone
 
     def counting_init(self, *args, **kwargs):
@@ -61,7 +61,7 @@ def test_one_cache_per_generation_never_cloned(method, tiny, monkeypatch, reques
         clones.append(tuple(self.shape))
         return clone(self, *args, **kwargs)
 
-    monkeypatch.setattr(selfspec.cache.KVCache, "__init__", counting_init)
+    monkeypatch.setattr(selfspec.model.cache.KVCache, "__init__", counting_init)
     monkeypatch.setattr(torch.Tensor, "clone", recording_clone)
     out = assert_greedy_lossless(model, prompt=REPETITIVE, n=30, method=method, **OPTIONS[method])
     # AR's generation and the drafter's: one each (and the feature head's own few-KB cache)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from selfspec.adapter import ModelAdapter, UnsupportedModelError
+from selfspec.model.adapter import ModelAdapter, UnsupportedModelError
 from lossless import assert_adapter_matches_transformers, assert_sampling_matches_target
 from tiny_models import ARCHS, VOCAB, tiny_model
 
@@ -122,7 +122,7 @@ def test_bad_token_ids_and_empty_prompt_are_refused(tiny):
 
 
 def test_merged_stats_aggregate_alpha_and_cost_over_generations():
-    from selfspec.stats import GenerationStats
+    from selfspec.core.stats import GenerationStats
 
     a = GenerationStats("early-exit", 2, 3, new_tokens=10, rounds=4, drafted=12, accepted=6, draft_s=1.2, step_s=0.2)
     a.drafted_at, a.accepted_at = [4, 4, 4], [3, 2, 1]
@@ -143,8 +143,8 @@ def test_step_probe_waits_until_c_is_read_and_runs_once(tiny, monkeypatch):
     first read, in a scratch cache, once per context bucket; a gated hybrid still measures it first."""
     import json
 
-    from selfspec import engine
-    from selfspec.drafters.early_exit import EarlyExit
+    from selfspec.core import engine
+    from selfspec.drafters.layers.early_exit import EarlyExit
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.lookup import PromptLookup
 
@@ -171,7 +171,7 @@ def test_step_probe_waits_until_c_is_read_and_runs_once(tiny, monkeypatch):
 
 
 def test_merged_stats_run_pending_step_probes():
-    from selfspec.stats import GenerationStats
+    from selfspec.core.stats import GenerationStats
 
     a = GenerationStats("early-exit", 2, 3, drafted=4, draft_s=0.4, step_probe=lambda: 0.5)
     total = GenerationStats("early-exit", 2, 3)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
-from selfspec.calibrate import (Sequence, calibrate, distill_loss, save, self_distillation, teacher_force,
+from selfspec.tools.calibrate import (Sequence, calibrate, distill_loss, save, self_distillation, teacher_force,
                                 train_exit_adapter)
 from selfspec.drafters import EarlyExit, make_drafter
-from selfspec.exit_adapter import (SECTION, ExitAdapter, default_path, load_exit_adapter, read_header,
+from selfspec.heads.exit_adapter import (SECTION, ExitAdapter, default_path, load_exit_adapter, read_header,
                                    save_exit_adapter)
-from selfspec.profiles import ModelIdentity, ProfileMismatchError, load_profile, save_section
+from selfspec.model.profiles import ModelIdentity, ProfileMismatchError, load_profile, save_section
 from tiny_models import VOCAB
 
 HIDDEN = 64  # the tiny models' hidden size

@@ -7,11 +7,11 @@ import pytest
 import torch
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
 
-from selfspec.calibrate import held_out_prompts
+from selfspec.tools.calibrate import held_out_prompts
 from selfspec.drafters import make_drafter
 from selfspec.drafters.feature import FeatureDraft
-from selfspec.feature_calibrate import _teacher_forced, drafted_runs, feature_data, train_feature_head
-from selfspec.feature_head import (
+from selfspec.tools.feature_calibrate import _teacher_forced, drafted_runs, feature_data, train_feature_head
+from selfspec.heads.feature_head import (
     SECTION,
     FeatureHead,
     feature_head_for,
@@ -19,9 +19,9 @@ from selfspec.feature_head import (
     read_header,
     save_feature_head,
 )
-from selfspec.profiles import ModelIdentity, ProfileMismatchError, load_profile, save_section
-from selfspec.tuner import tune
-from selfspec.tuner.trace import exit_states, replay_feature, trace
+from selfspec.model.profiles import ModelIdentity, ProfileMismatchError, load_profile, save_section
+from selfspec.tools.tune import tune
+from selfspec.tools.tune.trace import exit_states, replay_feature, trace
 
 HIDDEN = 64  # the tiny models' hidden size
 
@@ -123,15 +123,15 @@ def check_state(model, drafter):
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_step_equals_the_modules(arch, dtype):
-    """The head's step as one kernel call (selfspec.fused_feature): the same predictions, draft-head
+    """The head's step as one kernel call (selfspec.native.fused_feature): the same predictions, draft-head
     logits and head KV as the PyTorch modules, within the dtype's rounding, over a round's first
     call (several committed rows) and draft steps on its own predictions."""
     import selfspec
     from tiny_models import tiny_model
 
-    from selfspec.draft_head import PrunedHead
-    from selfspec.feature_head import FeatureState
-    from selfspec.fused_feature import FusedFeature, unsupported_reason
+    from selfspec.heads.draft_head import PrunedHead
+    from selfspec.heads.feature_head import FeatureState
+    from selfspec.native.fused_feature import FusedFeature, unsupported_reason
 
     model = selfspec.SelfSpecModel(tiny_model(arch, 0, dtype), name=f"tiny-{arch}")
     adapter = model.adapter
@@ -239,7 +239,7 @@ def test_hybrid_falls_back_to_the_feature_head_ungated_unless_a_k_is_asked(tiny,
     from lossless import REPETITIVE
 
     from selfspec.drafters import FEATURE_MIN_NGRAM
-    from selfspec.drafters.early_exit import EarlyExit
+    from selfspec.drafters.layers.early_exit import EarlyExit
 
     model = tiny("llama")
     path = save_feature_head(random_head(model), tmp_path / "f.safetensors", model.identity, torch.arange(80))
@@ -265,13 +265,13 @@ def test_hybrid_falls_back_to_the_feature_head_ungated_unless_a_k_is_asked(tiny,
 
 
 def _student(model, ids):
-    from selfspec.feature_calibrate import Student
+    from selfspec.tools.feature_calibrate import Student
 
     return Student(model.adapter, ids)
 
 
 def _batches(model, data):
-    from selfspec.feature_calibrate import Batches
+    from selfspec.tools.feature_calibrate import Batches
 
     return Batches(data, lambda ids: model.adapter.embed_tokens(ids).float())
 
@@ -345,7 +345,7 @@ def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch,
 def test_kept_data_made_with_extra_prompts_serves_a_run_without_them(tmp_path):
     """--data: a file made with --extra-prompts (or --text) loads for the same run without them,
     less their sequences; any other difference in settings decodes again."""
-    from selfspec.feature_calibrate import FeatureSequence, load_data, save_data
+    from selfspec.tools.feature_calibrate import FeatureSequence, load_data, save_data
 
     def seq(**flags):
         return FeatureSequence(torch.arange(4), 2, torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long),
@@ -366,7 +366,7 @@ def test_kept_data_made_with_extra_prompts_serves_a_run_without_them(tmp_path):
 def test_fused_multilayer_inputs_train_and_start_as_the_plain_head(tiny):
     """parts = 2 (EAGLE-3's fused features, an experiment): the head starts as "take h_L", so its α
     before training is the plain head's; it trains; and it is refused by save (no drafter runs it)."""
-    from selfspec.feature_head import FeatureHead, save_feature_head
+    from selfspec.heads.feature_head import FeatureHead, save_feature_head
 
     model = tiny("llama")
     prompts = [torch.tensor([(7 * i + 3 * j) % 90 + 5 for j in range(6 + i % 5)]) for i in range(12)]

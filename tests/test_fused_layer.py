@@ -1,4 +1,4 @@
-"""The fused decoder layer (selfspec.fused_layer, kernels/layer.cpp): the same logits as PyTorch's
+"""The fused decoder layer (selfspec.native.fused_layer, kernels/layer.cpp): the same logits as PyTorch's
 lean step within rounding, every row's bits independent of the rows beside it and of the thread
 count (so verify rows are AR's rows in every mode), and the models it declines."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lossless import PROMPT, REPETITIVE, assert_greedy_lossless
-from selfspec import fused_layer, gemv
+from selfspec.native import fused_layer, gemv
 from selfspec.api import SelfSpecModel
-from selfspec.quantize import quantize_int4, quantize_int8
+from selfspec.model.quantize import quantize_int4, quantize_int8
 from tiny_models import COMMON, VOCAB, build, tiny_model
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: the lean step uses PyTorch's kernels")
@@ -143,7 +143,7 @@ def test_exit_states_and_skips_run_through_the_fused_layer():
     """A layer-skip draft and early exit's kept h_k take the fused path and agree with PyTorch's."""
     model = _model("llama")
     adapter = model.adapter
-    from selfspec.skips import SkipSet
+    from selfspec.model.skips import SkipSet
     skip = SkipSet(attn=frozenset({1, 3}), mlp=frozenset({2}))
     ids = torch.tensor(PROMPT)
     results = []
@@ -179,7 +179,7 @@ def test_short_prefill_runs_as_fused_calls_of_16_where_bfloat16_is_emulated(arch
     attending to the keys the ones before it wrote, past every tiny sliding window), where PyTorch's
     bfloat16 GEMM is emulated; its logits are PyTorch's prefill's within bfloat16 rounding, and every
     drafter still equals AR. Where bfloat16 is native, PyTorch's path keeps the prefill."""
-    from selfspec import step
+    from selfspec.model import step
 
     model = _model(arch, torch.bfloat16, int8=int8)
     adapter = model.adapter

@@ -1,10 +1,10 @@
-"""The hand-written one-to-four-row product kernel (selfspec.gemv): right values, and each row's
+"""The hand-written one-to-four-row product kernel (selfspec.native.gemv): right values, and each row's
 result independent of the other rows and of the thread count, which exact mode relies on."""
 
 import pytest
 import torch
 
-from selfspec import gemv
+from selfspec.native import gemv
 from selfspec.api import SelfSpecModel
 from tiny_models import tiny_model
 

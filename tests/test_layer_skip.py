@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
-from selfspec.drafters.layer_skip import AdaptiveThreshold, LayerSkip
-from selfspec.profiles import ModelIdentity, ProfileMismatchError, load_profile, save_section
-from selfspec.skips import SkipSet
+from selfspec.drafters.layers.layer_skip import AdaptiveThreshold, LayerSkip
+from selfspec.model.profiles import ModelIdentity, ProfileMismatchError, load_profile, save_section
+from selfspec.model.skips import SkipSet
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 
@@ -27,7 +27,7 @@ def test_skip_set_parse_describe_and_json():
 def test_skipped_sublayers_are_left_out(arch):
     """Skipping layer i's MLP equals running the layer's attention alone; skipping both equals
     not running the layer at all."""
-    from selfspec.adapter import ModelAdapter
+    from selfspec.model.adapter import ModelAdapter
 
     adapter = ModelAdapter(tiny_model(arch))
     ids = torch.tensor(PROMPT)
@@ -43,7 +43,7 @@ def test_skipped_sublayers_are_left_out(arch):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
 def test_probe_matches_a_written_forward_and_leaves_the_cache_alone(arch):
-    from selfspec.adapter import ModelAdapter
+    from selfspec.model.adapter import ModelAdapter
 
     adapter = ModelAdapter(tiny_model(arch))
     ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(3))

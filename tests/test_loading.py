@@ -1,4 +1,4 @@
-"""Tests for selfspec.loading: names and paths resolve, GGUF converts once, atomically."""
+"""Tests for selfspec.model.loading: names and paths resolve, GGUF converts once, atomically."""
 
 import os
 import time
@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec import loading
-from selfspec.loading import BUNDLED, cache_root, load_hf, resolve_checkpoint
+from selfspec.model import loading
+from selfspec.model.loading import BUNDLED, load_hf, resolve_checkpoint
+from selfspec.native.build import cache_root
 
 
 def test_cache_root_env(monkeypatch, tmp_path):

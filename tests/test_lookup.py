@@ -3,7 +3,7 @@
 import pytest
 
 from lossless import PROMPT, REPETITIVE, assert_greedy_lossless, assert_sampling_matches_target
-from selfspec.drafters.early_exit import EarlyExit
+from selfspec.drafters.layers.early_exit import EarlyExit
 from selfspec.drafters.hybrid import Hybrid
 from selfspec.drafters.lookup import PromptLookup, find_draft
 

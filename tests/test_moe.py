@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, OlmoeConfig
 
-import selfspec.cache
+import selfspec.model.cache
 from lossless import PROMPT, assert_adapter_matches_transformers, assert_greedy_lossless, assert_sampling_matches_target
 from selfspec import SelfSpecModel
-from selfspec.adapter import ModelAdapter, UnsupportedModelError
-from selfspec.bench import _methods
-from selfspec.drafters.expert_subset import ExpertSubset
-from selfspec.moe import experts_per_token, moe_layers, routed
+from selfspec.model.adapter import ModelAdapter, UnsupportedModelError
+from selfspec.tools.bench import _methods
+from selfspec.drafters.layers.expert_subset import ExpertSubset
+from selfspec.model.moe import experts_per_token, moe_layers, routed
 from tiny_models import COMMON
 from tiny_moe import MOE_ARCHS, TOP_K, tiny_moe_model
 
@@ -102,7 +102,7 @@ def test_verify_overwrites_draft_time_kv(arch, tiny, monkeypatch):
     committed position holds the full model's KV in every layer, as plain AR leaves it."""
     model = tiny(arch)
     caches, drafts = [], []
-    init, propose = selfspec.cache.KVCache.__init__, ExpertSubset.propose
+    init, propose = selfspec.model.cache.KVCache.__init__, ExpertSubset.propose
 
     def keep(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -112,7 +112,7 @@ def test_verify_overwrites_draft_time_kv(arch, tiny, monkeypatch):
         drafts.append(propose(self, *args))
         return drafts[-1]
 
-    monkeypatch.setattr(selfspec.cache.KVCache, "__init__", keep)
+    monkeypatch.setattr(selfspec.model.cache.KVCache, "__init__", keep)
     monkeypatch.setattr(ExpertSubset, "propose", recording)
     assert_greedy_lossless(model, n=24, method="expert-subset", draft_len=4)
     ar, spec = caches

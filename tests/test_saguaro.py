@@ -9,11 +9,11 @@ import pytest
 import torch
 from scipy.stats import kstest
 
-import selfspec.drafters.saguaro as saguaro
+import selfspec.drafters.layers.saguaro as saguaro
 from lossless import PROMPT, assert_greedy_lossless
 from selfspec.drafters import make_drafter
-from selfspec.sampling import SamplingParams, logits_to_probs
-from selfspec.stats import GenerationStats
+from selfspec.core.sampling import SamplingParams, logits_to_probs
+from selfspec.core.stats import GenerationStats
 
 
 @pytest.mark.parametrize("arch,k,gamma", [("llama", 6, 3), ("llama", 6, 1), ("gemma3_text", 6, 2)])

@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from selfspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from selfspec.core.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
 
 # --- SamplingParams ---------------------------------------------------------------------------

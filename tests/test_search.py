@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from lossless import PROMPT
-from selfspec.profiles import load_profile
-from selfspec.search import from_params, search_skip_set, starting_points, to_params
-from selfspec.skips import SkipSet
+from selfspec.model.profiles import load_profile
+from selfspec.tools.search import from_params, search_skip_set, starting_points, to_params
+from selfspec.model.skips import SkipSet
 
 
 def test_params_round_trip():
@@ -67,7 +67,7 @@ def test_search_cli_rejects_bad_prompts_file(tmp_path):
 
 def test_profile_for_another_model_is_refused(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("SELFSPEC_PROFILES", str(tmp_path))
-    from selfspec.profiles import save_section
+    from selfspec.model.profiles import save_section
 
     path = save_section(tiny("llama").identity, "layer-skip", {"skip": {"attn": [1], "mlp": []}})
     with pytest.raises(ValueError, match="belongs to"):

@@ -248,7 +248,7 @@ def test_sigterm_cancels_active_requests_and_the_server_exits(tmp_path):
     port = free_port()
     # Steps slowed as in the tests above: the requests would take >= 8 s.
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import serving\n"
-            f"from selfspec.batch import Scheduler; step = Scheduler.step\n"
+            f"from selfspec.core.batch import Scheduler; step = Scheduler.step\n"
             f"Scheduler.step = lambda self: serving.time.sleep({STEP_S * 2}) or step(self)\n"
             f"from selfspec.cli import main; sys.exit(main(sys.argv[1:]))")
     server = subprocess.Popen(

@@ -178,7 +178,7 @@ def test_selfspec_serve_exits_non_zero_when_its_loop_dies(tmp_path):
     """A supervisor (systemd, Kubernetes) restarts a server whose process ends: so it must end."""
     checkpoint = save_tiny(tmp_path / "tiny")
     code = (f"import sys\n"
-            f"from selfspec.batch import Scheduler\n"
+            f"from selfspec.core.batch import Scheduler\n"
             f"def run(self, stop):\n    stop.wait(2); raise RuntimeError('injected: the loop died')\n"
             f"Scheduler.run = run\n"
             f"from selfspec.cli import main; sys.exit(main(sys.argv[1:]))")
@@ -190,8 +190,8 @@ def test_selfspec_serve_exits_non_zero_when_its_loop_dies(tmp_path):
 
 
 def test_a_ray_replica_whose_loop_died_fails_its_health_check(model):
-    from selfspec.replicas import Replica
-    from selfspec.server import Server
+    from selfspec.serve.replicas import Replica
+    from selfspec.serve.server import Server
 
     replica = Replica.__new__(Replica)  # its model and app as __serve_build_asgi_app__ leaves them
     replica.server = Server(model, options={"method": "ar"})

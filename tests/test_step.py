@@ -1,4 +1,4 @@
-"""The lean step (selfspec.step): same logits as transformers, greedy identity with AR eager,
+"""The lean step (selfspec.model.step): same logits as transformers, greedy identity with AR eager,
 compiled and in exact mode, no recompiles across layers, skip sets and context lengths, int8."""
 
 import pytest
@@ -9,11 +9,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from lossless import PROMPT, REPETITIVE, assert_adapter_matches_transformers, assert_greedy_lossless
 from selfspec.api import EXACT_ROWS, SelfSpecModel
-from selfspec.drafters.base import Draft
-from selfspec.engine import verify_forward
-from selfspec.draft_head import PrunedHead
-from selfspec.quantize import Int4Linear, Int4Slice, Int8Linear, quantize_int4, quantize_int8, weight_bytes
-from selfspec.step import BUCKETS, bucket
+from selfspec.core.draft import Draft
+from selfspec.core.engine import verify_forward
+from selfspec.heads.draft_head import PrunedHead
+from selfspec.model.quantize import Int4Linear, Int4Slice, Int8Linear, quantize_int4, quantize_int8, weight_bytes
+from selfspec.model.step import BUCKETS, bucket
 from tiny_models import ARCHS, tiny_model
 
 DRAFTERS = [

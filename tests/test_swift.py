@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
-from selfspec.drafters.base import DraftContext
-from selfspec.drafters.swift import SkipSearch, Swift, matchness
-from selfspec.sampling import SamplingParams
-from selfspec.skips import SkipSet
-from selfspec.stats import GenerationStats
+from selfspec.core.draft import DraftContext
+from selfspec.drafters.layers.swift import SkipSearch, Swift, matchness
+from selfspec.core.sampling import SamplingParams
+from selfspec.model.skips import SkipSet
+from selfspec.core.stats import GenerationStats
 from tiny_models import ARCHS
 
 

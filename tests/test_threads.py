@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from selfspec import threads
-from selfspec.threads import apply_threads, busy_cores, choose_threads, cpu_times, running_others
+from selfspec.model import threads
+from selfspec.model.threads import apply_threads, busy_cores, choose_threads, cpu_times, running_others
 
 
 def stat(*cpus: tuple[int, int]) -> str:

@@ -11,7 +11,7 @@ import torch
 import selfspec
 from lossless import assert_greedy_lossless
 from selfspec.cli import main
-from selfspec.train import (
+from selfspec.tools.train import (
     Batch, Exits, Recipe, active_exits, dropout_rates, exit_forward, exit_scales, exit_weights, prepare,
     read_data, save, train,
 )

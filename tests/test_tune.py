@@ -7,14 +7,14 @@ import warnings
 import pytest
 
 from lossless import PROMPT, REPETITIVE
-from selfspec.calc import speedup
-from selfspec.profiles import load_profile, save_section
-from selfspec.tuner.run import ENGINE
-from selfspec.tuner import SECTION, default_exit_grid, tune
-from selfspec.tuner.costs import measure_costs
-from selfspec.tuner.plots import write_plots
-from selfspec.tuner.rounds import Rounds, predicted_speedup
-from selfspec.tuner.trace import replay_early_exit, replay_lookup, trace
+from selfspec.tools.calc import speedup
+from selfspec.model.profiles import load_profile, save_section
+from selfspec.tools.tune.run import ENGINE
+from selfspec.tools.tune import SECTION, default_exit_grid, tune
+from selfspec.tools.tune.costs import measure_costs
+from selfspec.tools.tune.plots import write_plots
+from selfspec.tools.tune.rounds import Rounds, predicted_speedup
+from selfspec.tools.tune.trace import replay_early_exit, replay_lookup, trace
 
 
 def _counts(rounds: Rounds):
@@ -185,7 +185,8 @@ def test_a_shipped_choice_for_other_kernel_paths_runs_plain_decoding(tiny, monke
     """A shipped entry that names kernel_paths applies only where the product kernel runs one of
     them: on another path (an AVX2-only CPU) `auto` runs plain decoding and says why."""
     import selfspec.api
-    from selfspec import gemv, profiles
+    from selfspec.native import gemv
+    from selfspec.model import profiles
 
     model = tiny("llama")
     model.name = "shipped-tiny-llama-paths"
@@ -214,7 +215,7 @@ def test_a_shipped_choice_for_other_kernel_paths_runs_plain_decoding(tiny, monke
 
 
 def test_the_shipped_file_names_the_bundled_model():
-    from selfspec.profiles import ModelIdentity, shipped_choice
+    from selfspec.model.profiles import ModelIdentity, shipped_choice
 
     from selfspec.drafters import has_feature_head
 
@@ -245,7 +246,7 @@ def test_auto_ignores_a_profile_tuned_on_an_older_engine_in_another_dtype_or_on_
 def test_shipped_choices_are_per_device_type():
     """Entries keyed by the dtype alone were measured on CPUs; "dtype@cuda" on a GPU: a CPU
     choice never runs on CUDA (SmolLM2's CPU hybrid ran 0.36x AR on an H200) nor a GPU one on a CPU."""
-    from selfspec.profiles import shipped_choice
+    from selfspec.model.profiles import shipped_choice
 
     class SmolLM2:
         @staticmethod

@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy import stats
 
-from selfspec import verifier
-from selfspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from selfspec.verifier import (
+from selfspec.core import verifier
+from selfspec.core.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from selfspec.core.verifier import (
     Verdict,
     acceptance_probability,
     rejection_sample,

@@ -1,9 +1,11 @@
-"""Many-row bfloat16 products through float32 where bfloat16 is emulated (selfspec.wide_product)."""
+"""Many-row bfloat16 products through float32 where bfloat16 is emulated (selfspec.model.wide_product)."""
 
 import torch
 import torch.nn.functional as F
 
-from selfspec import gemv, wide_product
+from selfspec.native import gemv
+
+from selfspec.model import wide_product
 
 
 def test_a_widened_product_is_the_float32_product_rounded_once(monkeypatch):

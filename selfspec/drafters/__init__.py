@@ -1,4 +1,4 @@
-"""Drafters, one file per family, all behind the interface in `base`.
+"""Drafters, one file per family, all behind the interface in `selfspec.core.draft`.
 
 DRAFTERS maps a method name (as the CLI and the API take it) to a factory. Every factory receives
 the same keyword options (exit_layer, draft_len, threshold, skip, skip_ratio, every, ngram,
@@ -10,8 +10,8 @@ adding a drafter never touches the engine or the CLI.
 from collections.abc import Callable
 
 from selfspec.drafters.autoregressive import Autoregressive
-from selfspec.drafters.base import Draft, DraftContext, Drafter
-from selfspec.drafters.early_exit import EarlyExit
+from selfspec.core.draft import Draft, DraftContext, Drafter
+from selfspec.drafters.layers.early_exit import EarlyExit
 
 
 def _given(options: dict, *names: str) -> dict:
@@ -26,8 +26,8 @@ def _early_exit(context: bool = True, **o) -> Drafter:
     draft_vocab: N, draft with a head pruned to the N most frequent tokens of the profile's
     ranking from `selfspec calibrate`; None, the full head. threshold: stop a draft at a token
     whose top-1 probability is below it (default: 0.6 with a context head, else never)."""
-    from selfspec.draft_head import ranking_for
-    from selfspec.exit_adapter import exit_adapter_for
+    from selfspec.heads.draft_head import ranking_for
+    from selfspec.heads.exit_adapter import exit_adapter_for
 
     k = o.get("exit_layer")
     adapter = exit_adapter_for(o.get("exit_adapter"), o.get("profile") or {}, o.get("identity"), k, context)
@@ -42,25 +42,25 @@ def _early_exit(context: bool = True, **o) -> Drafter:
 
 
 def _layer_skip(**o) -> Drafter:
-    from selfspec.drafters.layer_skip import LayerSkip
+    from selfspec.drafters.layers.layer_skip import LayerSkip
 
     return LayerSkip(profile=o.get("profile"), **_given(o, "skip", "draft_len", "threshold"))
 
 
 def _swift(**o) -> Drafter:
-    from selfspec.drafters.swift import Swift
+    from selfspec.drafters.layers.swift import Swift
 
     return Swift(**_given(o, "draft_len", "threshold", "skip_ratio", "every"))
 
 
 def _clasp(**o) -> Drafter:
-    from selfspec.drafters.clasp import Clasp
+    from selfspec.drafters.layers.clasp import Clasp
 
     return Clasp(**_given(o, "draft_len", "threshold", "skip_ratio", "every"))
 
 
 def _conflayers(**o) -> Drafter:
-    from selfspec.drafters.conflayers import ConfLayers
+    from selfspec.drafters.layers.conflayers import ConfLayers
 
     return ConfLayers(**_given(o, "draft_len", "threshold", "skip_ratio", "every"))
 
@@ -101,7 +101,7 @@ def default_siblings(asked: int | None = None) -> int:
     products run on AMX, whose 3-row verify costs ~1.07 steps (2-core Intel Xeon: the hybrid
     1.24x -> 1.28x AR on the benchmark prompts, 1.53x -> 1.57x on tune's; README "Siblings"), else
     1 (a chain: the pair products' 3-row verify costs 1.17-1.27 steps, unmeasured with siblings)."""
-    from selfspec import gemv
+    from selfspec.native import gemv
 
     if asked:
         return asked
@@ -120,7 +120,7 @@ def hybrid_fallback(o: dict) -> str:
 
 def has_feature_head(o: dict) -> bool:
     """Whether the model (options profile and identity) has a feature head: its profile's or a shipped one."""
-    from selfspec.feature_head import SECTION, shipped_path
+    from selfspec.heads.feature_head import SECTION, shipped_path
 
     identity = o.get("identity")
     return identity is not None and bool((o.get("profile") or {}).get(SECTION) or shipped_path(identity).is_file())
@@ -129,7 +129,7 @@ def has_feature_head(o: dict) -> bool:
 def _expert_subset(**o) -> Drafter:
     """exit_layer: only a k the caller asked (`asked_exit_layer`, before the API fills in early
     exit's default); without one the draft runs every layer, each MoE layer on `experts` experts."""
-    from selfspec.drafters.expert_subset import ExpertSubset
+    from selfspec.drafters.layers.expert_subset import ExpertSubset
 
     k = o["asked_exit_layer"] if "asked_exit_layer" in o else o.get("exit_layer")
     return ExpertSubset(exit_layer=k, **_given(o, "experts", "draft_len"))
@@ -137,7 +137,7 @@ def _expert_subset(**o) -> Drafter:
 
 def _saguaro(**o) -> Drafter:
     """Early exit (the same options) that pre-drafts the next round during each verify."""
-    from selfspec.drafters.saguaro import Saguaro
+    from selfspec.drafters.layers.saguaro import Saguaro
 
     return Saguaro(_early_exit(context=False, **o))  # its pre-drafts run ahead of any head's KV
 
@@ -146,7 +146,7 @@ def _feature(**o) -> Drafter:
     """The feature head the profile names (`selfspec calibrate --head feature`), else the one
     shipped for this model; draft_vocab N: only the first N of its draft-head tokens."""
     from selfspec.drafters.feature import FeatureDraft
-    from selfspec.feature_head import feature_head_for
+    from selfspec.heads.feature_head import feature_head_for
 
     head, draft_ids, _ = feature_head_for(o.get("profile") or {}, o.get("identity"))
     vocab = o.get("draft_vocab")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.drafters.base import Draft, DraftContext
+from selfspec.core.draft import Draft, DraftContext
 
 
 class Autoregressive:

@@ -1,4 +1,4 @@
-"""Feature-head drafting (selfspec.feature_head): no layers of the model run in the draft.
+"""Feature-head drafting (selfspec.heads.feature_head): no layers of the model run in the draft.
 
 Per round the head's KV cache takes in the committed positions (their final states, which the
 verify wrote into the model's cache, and their tokens); then each draft token is one step of the
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.draft_head import PrunedHead
-from selfspec.drafters.base import Draft, DraftContext
-from selfspec.drafters.shallow import confident, draft_token, head_logits
-from selfspec.feature_head import FeatureHead, FeatureState
-from selfspec.fused_feature import FusedFeature, unsupported_reason
-from selfspec.fused_layer import ROWS
+from selfspec.heads.draft_head import PrunedHead
+from selfspec.core.draft import Draft, DraftContext
+from selfspec.drafters.layers.shallow import confident, draft_token, head_logits
+from selfspec.heads.feature_head import FeatureHead, FeatureState
+from selfspec.native.fused_feature import FusedFeature, unsupported_reason
+from selfspec.native.fused_layer import ROWS
 
 DEFAULT_THRESHOLD = 0.3  # stop a draft after a token the head gives less than this
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.drafters.base import Draft, DraftContext, Drafter
+from selfspec.core.draft import Draft, DraftContext, Drafter
 from selfspec.drafters.lookup import PromptLookup
 
 

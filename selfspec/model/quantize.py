@@ -1,0 +1,225 @@
+"""Weight-only quantization. int8: each decoder layer's linear weights and the LM head as int8 with
+one scale per output channel, multiplied by selfspec's product kernel (selfspec.native.gemv) where it runs,
+else by PyTorch's own int8 weight-only kernel (`_weight_int8pack_mm`).
+
+Activations stay in the model's float dtype (bfloat16); a matrix product reads a quarter of the
+float32 bytes, which is what a memory-bound decode step costs. (On CPUs with AVX512-VNNI and no
+AVX512-BF16 the kernel multiplies each activation row as int16, exactly; see kernels/product.h.)
+The head is int8 too, a copy where it is tied to the embedding (as in the bundled models);
+embeddings and norms keep their float weights. Draft and verify run the same quantized model, so
+self-speculative output stays identical to this int8 model's own AR output; it is not float32's
+output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.model import wide_product
+
+# The activation dtype int8 weights run with: the kernel takes bfloat16 or float32 inputs, and
+# bfloat16 keeps the activations' bytes small too.
+ACTIVATION_DTYPE = torch.bfloat16
+
+
+class Int8Linear(torch.nn.Module):
+    """y = x · (w_int8 · scale)ᵀ + bias, w_int8 [out, in] int8, scale [out] in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, dtype: torch.dtype) -> "Int8Linear":
+        w = linear.weight.detach().float()
+        # Symmetric per-channel: the largest |w| of each output row maps to 127.
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls(q, scale.to(dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight, self.scale, self.bias)
+
+
+PREFILL_ROWS = 32  # from this many rows, int8 products dequantize and run a bfloat16 GEMM
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if rows.shape[0] >= PREFILL_ROWS and x.dtype == torch.bfloat16:
+        # A prefill: PyTorch's int8 kernel takes 24 ms for 1,000 rows of SmolLM2's gate/up where
+        # dequantizing and a bfloat16 GEMM take 10 (scripts/kernel_timings.py, 2-core AMD EPYC).
+        # AR and speculation prefill alike.
+        # Where bfloat16 is emulated (AVX2 only) the GEMM runs in float32 (selfspec.model.wide_product).
+        y = wide_product.linear(rows, weight) * scale
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scale)
+    y = y.view(*shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def quantize_int8(hf_model: torch.nn.Module) -> int:
+    """Replace every nn.Linear inside the decoder layers, and the LM head, by an Int8Linear, in
+    place (the model must already be in ACTIVATION_DTYPE). Returns how many decoder-layer
+    projections were replaced. The head is a fifth of SmolLM2-135M's weights and a third of its
+    int8 bytes with a bfloat16 head; int8 halves its stream, as int4 models' head already is. A
+    head tied to the embedding leaves the embedding bfloat16 (the int8 head is a copy: +vocab ×
+    hidden bytes)."""
+    if hf_model.dtype != ACTIVATION_DTYPE:
+        raise ValueError(f"load the model in {ACTIVATION_DTYPE} before quantizing it to int8, not {hf_model.dtype}")
+    count = 0
+    for layer in hf_model.model.layers:
+        for name, module in list(layer.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                parent_name, _, child = name.rpartition(".")
+                parent = layer.get_submodule(parent_name) if parent_name else layer
+                setattr(parent, child, Int8Linear.from_linear(module, ACTIVATION_DTYPE))
+                count += 1
+    hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
+    return count
+
+
+def weight_bytes(hf_model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the decoder layers' weights and of the LM head: what one full step must read."""
+    layers = sum(p.numel() * p.element_size() for p in hf_model.model.layers.parameters())
+    head = sum(p.numel() * p.element_size() for p in hf_model.lm_head.parameters())
+    return {"layers": layers, "head": head}
+
+
+# -- int4 ---------------------------------------------------------------------------------------
+#
+# int4 weight-only: each decoder-layer weight as 4-bit integers in groups of INT4_GROUP inputs, one
+# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by PyTorch's own CPU
+# kernel (`_weight_int4pack_mm_for_cpu`). A group of 32 with its own minimum and step is exactly
+# the grid of GGUF's Q4_1 blocks, which is what the bundled SmolLM2's layers are stored as, so the
+# int4 model is the GGUF model up to bfloat16 rounding of each block's step and minimum. The LM
+# head goes int8 (one scale per row; the GGUF keeps it 8-bit too) and embeddings stay bfloat16.
+#
+# The kernel's packing is not separable by output rows, so projections that read the same input
+# (q, k, v; gate, up) are quantized as one fused matrix. The HF modules become slices of it: the
+# first slice called with an input computes the fused product, its siblings reuse it.
+
+INT4_GROUP = 32
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x · Wᵀ (+ bias), W [out, in] stored as packed int4 groups with bfloat16 scale and zero."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed = torch.nn.Parameter(packed, requires_grad=False)  # [out, in / 2] uint8
+        self.scales_zeros = torch.nn.Parameter(scales_zeros, requires_grad=False)  # [in / group, out, 2]
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.out_features = packed.shape[0]
+        self.in_features = packed.shape[1] * 2
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, output) for Int4Slice
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, dtype: torch.dtype, bias=None, group: int = INT4_GROUP) -> "Int4Linear":
+        out, inp = w.shape
+        if out % 16 or inp % group:
+            raise ValueError(f"int4 needs output sizes divisible by 16 and input sizes by {group}; this model has a "
+                             f"{out}x{inp} projection (use --dtype int8)")
+        g = w.detach().float().view(out, inp // group, group)
+        low, high = g.amin(-1), g.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-8).to(dtype)
+        zero = (low + 8 * scale.float()).to(dtype)  # (0 - 8)·scale + zero = the group's minimum
+        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15).view(out, inp)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
+        return cls(packed, scales_zeros, None if bias is None else bias.detach().to(dtype))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] (a new tensor: for pruned heads and checks, not decoding)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.packed.device)
+        return int4_linear(eye, self.packed, self.scales_zeros).t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, self.packed, self.scales_zeros, self.bias)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x), computed once for consecutive calls with the same input tensor."""
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, self.forward(x))
+        return self._last[1]
+
+
+class Int4Slice(torch.nn.Module):
+    """Output features [start, stop) of a fused Int4Linear, plus this projection's own bias."""
+
+    def __init__(self, fused: Int4Linear, start: int, stop: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.fused, self.start, self.stop = fused, start, stop
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = fused.in_features, stop - start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.start:self.stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fused.shared(x)[..., self.start:self.stop]
+        return y if self.bias is None else y + self.bias
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None) -> torch.Tensor:
+    shape = x.shape
+    group = packed.shape[1] * 2 // scales_zeros.shape[0]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).contiguous(), packed, group, scales_zeros)
+    y = y.view(*shape[:-1], packed.shape[0])
+    return y if bias is None else y + bias
+
+
+def _fuse_groups(layer) -> list[tuple[torch.nn.Module, list[str]]]:
+    """(parent module, names of its projections that read the same input) for one decoder layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = ["qkv_proj"] if hasattr(attn, "qkv_proj") else ["q_proj", "k_proj", "v_proj"]
+    gate_up = ["gate_up_proj"] if hasattr(mlp, "gate_up_proj") else ["gate_proj", "up_proj"]
+    return [(attn, qkv), (attn, ["o_proj"]), (mlp, gate_up), (mlp, ["down_proj"])]
+
+
+def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP) -> int:
+    """Decoder-layer projections to int4 groups (fusing q/k/v and gate/up), the LM head to int8,
+    in place (the model must already be in ACTIVATION_DTYPE, on the CPU). Returns how many layer
+    projections were replaced."""
+    if hf_model.dtype != ACTIVATION_DTYPE:
+        raise ValueError(f"load the model in {ACTIVATION_DTYPE} before quantizing it to int4, not {hf_model.dtype}")
+    if hf_model.device.type != "cpu":
+        raise ValueError("int4 runs PyTorch's CPU int4 kernel: use --dtype int8 or bfloat16 on CUDA")
+    count = 0
+    for layer in hf_model.model.layers:
+        if not all(hasattr(parent, names[0]) for parent, names in _fuse_groups(layer)):
+            raise ValueError("int4 supports dense decoder layers (q/k/v, o, gate/up, down projections), not this model's; "
+                             "use --dtype int8")
+        for parent, names in _fuse_groups(layer):
+            linears = [getattr(parent, name) for name in names]
+            fused = Int4Linear.quantize(torch.cat([m.weight for m in linears]), ACTIVATION_DTYPE, group=group,
+                                        bias=linears[0].bias if len(linears) == 1 else None)
+            if len(linears) == 1:
+                setattr(parent, names[0], fused)
+            else:
+                start = 0
+                for name, m in zip(names, linears):
+                    setattr(parent, name, Int4Slice(fused, start, start + m.out_features,
+                                                    None if m.bias is None else m.bias.detach().to(ACTIVATION_DTYPE)))
+                    start += m.out_features
+            count += len(linears)
+    hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
+    return count
+
+
+def float_weight(linear: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a linear layer's weight [out, in], in its activation dtype, whatever the
+    weight is stored as (a new tensor)."""
+    # index_select, not w[rows]: advanced indexing of bfloat16 rows is far slower on CPU, and a
+    # feature drafter's first begin pays it before the prefill (scripts/first_generate.py's setup).
+    if isinstance(linear, Int8Linear):
+        weight, scale = linear.weight.index_select(0, rows), linear.scale.index_select(0, rows)
+        return (weight.float() * scale.float()[:, None]).to(linear.scale.dtype)
+    return linear.weight.detach().index_select(0, rows)

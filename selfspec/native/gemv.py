@@ -1,0 +1,261 @@
+"""Hand-written few-row matrix products for bfloat16, int8 and float32 weights (`kernels/product.h`,
+exported by `kernels/gemv.cpp`; the same library holds the fused decoder layer, selfspec.native.fused_layer).
+
+Why: a decode step is a chain of one-row products (one to four rows in a verify), each reading its
+whole weight matrix once, so its speed is the rate the weights stream at. PyTorch's CPU kernels
+for one bfloat16 or int8 row stream at 13-15 GB/s on 2 threads here, where the machine reads
+about 48 GB/s (README, "The lean step"). This kernel streams the rows of W through AVX2 FMAs into
+per-row float32 accumulators, for up to four input rows per pass (up to MAX_ROWS in all).
+
+Exactness: every output element is one thread's sum in one fixed order, the same whatever the
+number of rows in the call or the thread count, so a verify's rows equal the AR step's rows bit for
+bit. (Across CPUs: the AVX2 path rounds alike on every x86 CPU; CPUs with AVX512-BF16 take the
+pair-dot-product path for bfloat16 weights, CPUs with AVX-512 but not those the 16-lane AVX-512
+path, and CPUs with AMX the tile products: each rounds its own way. int8 weights on the AVX-512
+path of a CPU with AVX512-VNNI are exact integer sums of x as int16 rows, `vnni`: the same bits
+on every such CPU.)
+
+Built once per machine with g++ (about 3 s with the fused layer) into the selfspec cache and loaded with ctypes;
+without g++, AVX2 or FMA, or with SELFSPEC_GEMV=0, `available()` is False and the lean step keeps
+PyTorch's kernels. The eager lean step calls it directly (4 µs a call); compiled code calls it as
+the custom op `torch.ops.selfspec.native.gemv` (9 µs), which torch.compile keeps as one opaque call while
+it fuses the small ops around it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 16  # four per pass over the weights (kernels/product.h)
+KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "gemv.cpp"  # and the fused layer and feature step, all over product.h, in one library
+PARTS = ["layer.cpp", "feature.cpp"]  # beside SOURCE
+HEADERS = ["product.h", "layer.h"]
+# No contraction or reassociation beyond the kernel's own FMAs: one fixed rounding per row.
+FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_STATE: dict = {}
+_LOCAL = threading.local()  # each thread's float32 copy of x (the server decodes on worker threads)
+
+
+PREFETCH = 1024  # weight elements ahead (kernels/product.h), on Intel CPUs only by default
+
+
+def _prefetch() -> int:
+    """How far ahead the products prefetch weights (the AVX2 and the pair paths): $SELFSPEC_PREFETCH, else
+    PREFETCH on Intel CPUs and 0 (none) elsewhere. On a 2-core Intel Xeon (AVX512-BF16, AMX) it
+    took SmolLM2's fused bfloat16 step from 17.4-19.4 to 15.4-15.6 ms and a 3-row verify from
+    22.3-25.1 to 17.8-18.1 ms (scripts/prefetch_ab.sh, results/intel/prefetch_ab.out); the AMD EPYC
+    the kernel was tuned on streamed near its read rate without it, and is left as it was.
+    On the AVX2-only AMD EPYC it gave no consistent gain (results/amd_avx2/prefetch_ab.out).
+    Results are bit-identical either way (prefetches change no arithmetic)."""
+    value = os.environ.get("SELFSPEC_PREFETCH", "").strip()
+    if value:
+        if not value.isdigit():
+            raise ValueError(f"SELFSPEC_PREFETCH must be a whole number of weight elements (0: none), got {value!r}")
+        return int(value)
+    return PREFETCH if "GenuineIntel" in _cpuinfo("vendor_id") else 0
+
+
+def _attention_rows(path: str) -> int:
+    """How many rows of a verify attend together per task in the fused layer (kernels/layer.h,
+    attend16_rows; 64- and 128-wide heads on the AVX-512 paths): $SELFSPEC_ATTN_ROWS, else 4 on
+    the avx512 path and 1 (each row alone) elsewhere. On a 2-core Ice Lake Xeon (avx512) it took a
+    4-row verify's attention sublayers at 1,000 keys from 2.07-2.29x a step's to 1.36-1.46x
+    (scripts/attention_rows_ab.sh, results/intel_avx512/attention_rows_ab.out); the pair and AMX
+    paths were not measured with it, so they keep one row per task. Results are bit-identical
+    either way (each row's arithmetic is its one-row call's)."""
+    value = os.environ.get("SELFSPEC_ATTN_ROWS", "").strip()
+    if value:
+        if not value.isdigit() or not 1 <= int(value) <= 4:
+            raise ValueError(f"SELFSPEC_ATTN_ROWS must be 1, 2, 3 or 4 (rows per attention task), got {value!r}")
+        return int(value)
+    return 4 if path == "avx512" else 1
+
+
+def vnni(path: str) -> bool:
+    """Whether int8 weights take the integer products (kernels/product.h, rows_vnni: x as int16
+    rows, exact integer sums): on the avx512 path where the CPU has AVX512-VNNI, unless
+    $SELFSPEC_VNNI=0 keeps them on float FMAs (for A/B). They round int8 models differently from
+    the float products (x is quantized to 15 bits a row), the same on every such CPU."""
+    return path == "avx512" and {"avx512_vnni", "avx512bw"} <= _cpu_flags() and os.environ.get("SELFSPEC_VNNI", "1") != "0"
+
+
+@functools.cache
+def _cpuinfo(field: str) -> list[str]:
+    """The words of /proc/cpuinfo's first `field` line (empty where there is none), read once a process."""
+    try:
+        return next((line.split(":", 1)[-1] for line in open("/proc/cpuinfo") if line.startswith(field)), "").split()
+    except OSError:
+        return []
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags"))
+
+
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+# kernel_path()'s values, as CPU features
+PATH_NAMES = {"pairs": "AVX512-BF16", "amx": "AMX", "avx512": "AVX-512", "avx2": "AVX2"}
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX)."""
+    return bool(NATIVE_BF16_FLAGS & _cpu_flags())
+
+
+def kernel_path() -> str:
+    """The products' instruction path on this machine: "amx" (AMX tiles, bfloat16 and int8
+    weights), "pairs" (AVX512-BF16 pair dot products), "avx512" (AVX-512 FMAs, on CPUs with
+    AVX-512 but no AVX512-BF16: Skylake-SP to Ice Lake Xeons) or "avx2"; $SELFSPEC_GEMV=pairs,
+    avx512 or avx2 asks for a lesser one. float32 weights take AVX2 FMAs on the pair and AMX
+    paths, AVX-512 FMAs on the avx512 path. Each path rounds its own way, the same for every row
+    count and thread count."""
+    flags, asked = _cpu_flags(), os.environ.get("SELFSPEC_GEMV", "")
+    if "avx512f" not in flags or asked == "avx2":
+        return "avx2"
+    if "avx512_bf16" not in flags or asked == "avx512":
+        return "avx512"
+    if not {"amx_bf16", "amx_tile"} <= flags or asked == "pairs":
+        return "pairs"
+    return "amx"
+
+
+def _build() -> ctypes.CDLL | None:
+    """The compiled library, built on first use; None (and why, once, on stderr) when it cannot be."""
+    if os.environ.get("SELFSPEC_GEMV", "1") == "0":
+        return None
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return None
+    from selfspec.native.build import cache_root
+
+    # Where the CPU has AVX512-BF16, bfloat16 weights go through its pair dot products (fewer
+    # instructions per weight, so several rows cost little more than one); where it also has AMX,
+    # through tile dot products (16 rows cost what one does); where it has AVX-512 without them,
+    # through 16-lane FMAs; else AVX2 throughout. SELFSPEC_GEMV=avx2 keeps AVX2 throughout,
+    # SELFSPEC_GEMV=avx512 leaves the pairs out and SELFSPEC_GEMV=pairs leaves AMX out (the tests
+    # check every path the machine has).
+    path = kernel_path()
+    flags = FLAGS + [f"-DPREFETCH={_prefetch()}", f"-DATTN_ROWS={_attention_rows(path)}"]
+    flags += ["-mavx512f", "-mavx512bf16"] if path in ("pairs", "amx") else []
+    flags += ["-mavx512f", "-DSELFSPEC_AVX512"] if path == "avx512" else []
+    flags += ["-mavx512bw", "-mavx512vnni", "-DSELFSPEC_VNNI"] if vnni(path) else []
+    flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []
+    sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
+    text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"gemv-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = target.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            subprocess.run(["g++", *flags, "-o", str(scratch), *map(str, sources)], check=True,
+                           capture_output=True, timeout=120)
+            scratch.replace(target)  # atomic: a concurrent process sees the whole library or none
+        except (OSError, subprocess.SubprocessError) as err:
+            scratch.unlink(missing_ok=True)
+            detail = getattr(err, "stderr", b"") or str(err).encode()
+            print(f"selfspec: note: could not build the one-row product kernel ({detail.decode()[:200].strip()}); "
+                  "using PyTorch's", file=sys.stderr)
+            return None
+    lib = ctypes.CDLL(str(target))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.selfspec_gemv_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
+    lib.selfspec_gemv_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
+    lib.selfspec_gemv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32]
+    lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = lib.selfspec_gemv_f32.restype = i32
+    lib.selfspec_layer.argtypes = [ptr, ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    lib.selfspec_layer.restype = i32
+    lib.selfspec_feature.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
+    lib.selfspec_feature.restype = i32
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel runs on this machine (built or loaded once per process)."""
+    if "lib" not in _STATE:
+        _STATE["lib"] = _build()
+    return _STATE["lib"] is not None
+
+
+WEIGHTS = {torch.bfloat16: (torch.bfloat16, torch.int8), torch.float32: (torch.float32,)}  # x dtype -> w dtypes
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on these tensors: the kernels have no backward, so
+    such products (calibration, training) keep PyTorch's."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether linear(x, w) can run here: at most MAX_ROWS CPU rows, bfloat16 against a contiguous
+    bfloat16 or int8 weight [out, in], or float32 against float32, and no gradient wanted."""
+    return (x.device.type == "cpu" and x.dtype in WEIGHTS and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and w.dtype in WEIGHTS[x.dtype] and w.dim() == 2 and w.is_contiguous()
+            and w.shape[1] == x.shape[1] and available() and not needs_grad(x, w))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None, rows_out: int | None = None) -> torch.Tensor:
+    """x [R, in] bfloat16 (R <= MAX_ROWS) · wᵀ for w [out, in] bfloat16, or int8 times its
+    per-output scale [out] (bfloat16); plus bias [out] (bfloat16). Returns [R, out] bfloat16.
+    Or x, w, bias and the result all float32. rows_out > R: the result has rows_out rows, the
+    extra ones copies of row R - 1 (the padding of exact mode's row bucket)."""
+    rows, inner = x.shape
+    out = w.shape[0]
+    rows_out = rows if rows_out is None else rows_out
+    x = x.contiguous()
+    y = torch.empty(rows_out, out, dtype=x.dtype)
+    b = 0 if bias is None else bias.contiguous().data_ptr()
+    threads = torch.get_num_threads()
+    lib = _STATE["lib"]
+    if x.dtype == torch.float32:
+        status = lib.selfspec_gemv_f32(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, rows_out, threads)
+    else:
+        scratch = _scratch(rows * inner).data_ptr()
+        if w.dtype == torch.int8:
+            status = lib.selfspec_gemv_int8(w.data_ptr(), scale.contiguous().data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner,
+                                            rows, rows_out, threads, scratch)
+        else:
+            status = lib.selfspec_gemv_bf16(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, rows_out,
+                                            threads, scratch)
+    if status:
+        raise ValueError(f"the one-row product kernel takes 1..{MAX_ROWS} rows, got {rows}")
+    return y
+
+
+def project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [..., in]: through the kernel when it takes these rows (small
+    drafting modules' one-row products, which PyTorch's bfloat16 path runs ~10x slower), else
+    PyTorch's (training, many rows, other dtypes)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if supports(rows, w) and (bias is None or bias.dtype == x.dtype):
+        return linear(rows, w, bias).view(*x.shape[:-1], w.shape[0])
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@torch.library.custom_op("selfspec::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """`linear` as a custom op, for compiled code."""
+    return linear(x, w, bias, scale)
+
+
+@gemv_op.register_fake
+def _(x, w, bias, scale):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """This thread's float32 buffer for x, kept between calls."""
+    buf = getattr(_LOCAL, "scratch", None)
+    if buf is None or buf.numel() < n:
+        buf = _LOCAL.scratch = torch.empty(max(n, 4 * 8192))
+    return buf

@@ -1,0 +1,103 @@
+"""What a server's /metrics reports, in Prometheus' text format.
+
+A server's state is first read into a plain, picklable `snapshot` (numbers only), so that replicas
+in other processes (selfspec.serve.replicas) can send theirs to one place. `render` turns snapshots into
+the exposition: one process's figures unlabelled; several replicas' each labelled `replica`, plus
+an unlabelled sample for all of them together, so one query reads the whole server either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+def _age(s: dict) -> float:
+    """The oldest active row's age now, from a snapshot taken at time `at` (maybe elsewhere)."""
+    return s["oldest_active_s"] + time.time() - s["at"] if s["active_rows"] else 0.0
+
+
+# (name, doc, value of one snapshot). Ratios are computed from summed counters, so the total is the
+# ratio over all replicas' requests, not a mean of ratios.
+COUNTERS = [
+    ("requests", "Requests finished (including failed, cancelled and timed out)", lambda s: s["requests"]),
+    ("requests_failed", "Requests that ended with an error", lambda s: s["failed"]),
+    ("requests_cancelled", "Requests cancelled (client gone, stop string or server shutdown)", lambda s: s["cancelled"]),
+    ("requests_timed_out", "Requests ended by the server's --max-request-seconds", lambda s: s["timed_out"]),
+    ("prompt_tokens", "Prompt tokens prefilled", lambda s: s["prompt_tokens"]),
+    ("generated_tokens", "Tokens generated", lambda s: s["new_tokens"]),
+    ("draft_tokens", "Draft tokens proposed", lambda s: s["drafted"]),
+    ("accepted_tokens", "Draft tokens accepted", lambda s: s["accepted"]),
+    ("verify_rounds", "Verify rounds over all requests", lambda s: s["rounds"]),
+    ("draft_seconds", "Time spent drafting", lambda s: s["draft_s"]),
+    ("verify_seconds", "Time spent in verify forwards (once per batched forward)", lambda s: s["verify_s"]),
+    ("prefill_seconds", "Time spent prefilling prompts", lambda s: s["prefill_s"]),
+]
+GAUGES = [
+    ("acceptance_rate", "α over all finished requests: accepted / drafted",
+     lambda s: s["accepted"] / s["drafted"] if s["drafted"] else 0.0),
+    ("mean_accepted_length", "Tokens committed per verify round, bonus included",
+     lambda s: (s["accepted"] + s["rounds"]) / s["rounds"] if s["rounds"] else 0.0),
+    ("batch_rows_mean", "Mean rows per batched verify forward", lambda s: s["rows"] / s["steps"] if s["steps"] else 0.0),
+    ("queue_depth", "Requests waiting for a row", lambda s: s["queue_depth"]),
+    ("active_rows", "Requests being decoded", lambda s: s["active_rows"]),
+    ("oldest_active_seconds", "Age of the oldest request being decoded (0 when none)", _age),
+]
+
+
+def snapshot(server) -> dict:
+    """The figures /metrics reports for one server (selfspec.serve.server.Server), as plain numbers."""
+    scheduler = server.scheduler
+    return {**dataclasses.asdict(scheduler.totals), "rejected": dict(server.rejected),
+            "queue_depth": scheduler.queue_depth, "active_rows": len(scheduler.active),
+            "oldest_active_s": scheduler.oldest_active_s(), "at": time.time()}
+
+
+def combine(snapshots: list[dict]) -> dict:
+    """Several replicas as one: counts add up; the oldest row is the oldest of any replica."""
+    now = time.time()
+    total = {"at": now, "rejected": {}}
+    for s in snapshots:
+        for key, value in s.items():
+            if key == "rejected":
+                for reason, n in value.items():
+                    total["rejected"][reason] = total["rejected"].get(reason, 0) + n
+            elif key not in ("at", "oldest_active_s"):
+                total[key] = total.get(key, 0) + value
+    total["oldest_active_s"] = max((_age(s) for s in snapshots), default=0.0)
+    return total
+
+
+def render(snapshots: dict[str | None, dict]) -> bytes:
+    """The exposition of one server ({None: snapshot}) or of replicas ({replica id: snapshot})."""
+    registry = CollectorRegistry()
+    registry.register(_Collector(snapshots))
+    return generate_latest(registry)
+
+
+class _Collector:
+    def __init__(self, snapshots: dict[str | None, dict]):
+        # (replica id or None for the whole server, its snapshot)
+        self.samples = list(snapshots.items())
+        if list(snapshots) != [None]:
+            self.samples = sorted(self.samples, key=lambda x: x[0]) + [(None, combine(list(snapshots.values())))]
+
+    def collect(self):
+        for kind, suffix, table in ((CounterMetricFamily, "_total", COUNTERS), (GaugeMetricFamily, "", GAUGES)):
+            for name, doc, value in table:
+                family = kind(f"selfspec_{name}", doc)
+                for replica, s in self.samples:
+                    family.add_sample(family.name + suffix, _labels(replica), value(s))
+                yield family
+        rejected = CounterMetricFamily("selfspec_requests_rejected", "Requests refused before decoding")
+        for replica, s in self.samples:
+            for reason, count in s["rejected"].items():
+                rejected.add_sample(rejected.name + "_total", {"reason": reason, **_labels(replica)}, count)
+        yield rejected
+
+
+def _labels(replica: str | None) -> dict:
+    return {} if replica is None else {"replica": replica}

@@ -1,0 +1,1 @@
+"""What users run around the engine: tune, bench, calc, calibrate, train, search, and the reference decoders."""
