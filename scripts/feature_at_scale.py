@@ -47,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from selfspec import draft_head  # noqa: E402
+from selfspec.heads import draft_head  # noqa: E402
 from selfspec.api import load  # noqa: E402
 from selfspec.tools.bench import load_prompts  # noqa: E402
 from selfspec.tools.calibrate import TOP, held_out_prompts  # noqa: E402

@@ -169,6 +169,29 @@ def test_queue_limit_returns_503_with_retry_after(smollm2):
 
 
 @real
+def test_the_feature_head_is_read_from_disk_once_for_20_hybrid_requests(smollm2, monkeypatch):
+    from selfspec.heads import feature_head, tagged_file
+
+    reads = []
+    load_file = feature_head.load_file
+    monkeypatch.setattr(feature_head, "load_file", lambda path: reads.append(path) or load_file(path))
+    tagged_file._shared.clear()  # as in a new process
+    running = Running(smollm2, max_batch=4, options={"method": "hybrid"})
+    try:
+        client, answers = running.client(), []
+        threads = [threading.Thread(target=lambda i=i: answers.append(client.completions.create(
+            model=running.name, prompt=f"Count from {i}:", max_tokens=4, temperature=0))) for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(answers) == 20 and all(a.usage.completion_tokens == 4 for a in answers)
+        assert len(reads) == 1, reads
+    finally:
+        running.close()
+
+
+@real
 def test_api_key_is_required_when_set(smollm2):
     running = Running(smollm2, api_key="sesame", options={"method": "ar"})
     try:

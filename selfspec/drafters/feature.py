@@ -62,7 +62,7 @@ class FeatureDraft:
         self.feature_head.to(device=adapter.device, dtype=adapter.dtype)
         ctx.cache.keep_exit_states(adapter.n_layers, hidden)  # before the prefill, which writes them
         if self.draft_ids is not None and (self.head is None or not self.head.built_for(adapter)):
-            self.head = PrunedHead(adapter, self.draft_ids)
+            self.head = PrunedHead.shared(adapter, self.draft_ids)
         self.ctx = ctx
         fused = None
         if unsupported_reason(self.feature_head, adapter, self.head) is None:

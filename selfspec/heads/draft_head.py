@@ -20,6 +20,7 @@ section.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +36,10 @@ from selfspec.model.quantize import float_weight
 SECTION = "draft-head"  # the profile section naming this model's token ranking
 FORMAT = "selfspec-draft-head/1"
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)  # subset sizes whose coverage is reported
+
+
+# id(token ids tensor) -> (a weak reference to it, its PrunedHead); the entry goes with the tensor.
+_PRUNED: dict[int, tuple[weakref.ref, PrunedHead]] = {}
 
 
 class PrunedHead:
@@ -59,6 +64,18 @@ class PrunedHead:
         self.norm = adapter.norm
         self.softcap = adapter.final_softcap
         self._source = lm_head.weight  # a reference, to tell whether the head still fits a model
+
+    @classmethod
+    def shared(cls, adapter, token_ids: torch.Tensor) -> PrunedHead:
+        """The slice for these ids (one tensor, e.g. a shared head file's) on this model, taken once:
+        every drafter of a server's requests reads the same rows instead of copying them."""
+        entry = _PRUNED.get(id(token_ids))
+        head = entry[1] if entry is not None and entry[0]() is token_ids else None
+        if head is None or not head.built_for(adapter):
+            head = cls(adapter, token_ids)
+            _PRUNED[id(token_ids)] = (weakref.ref(token_ids), head)
+            weakref.finalize(token_ids, _PRUNED.pop, id(token_ids), None)
+        return head
 
     def built_for(self, adapter) -> bool:
         """Whether this slice was taken from `adapter`'s head as it is now (device and dtype)."""
@@ -160,4 +177,4 @@ def ranking_for(profile: dict, identity: ModelIdentity | None) -> torch.Tensor:
                          f"`selfspec calibrate` saves, and {name} has none: run `selfspec calibrate` first")
     if identity is None:
         raise ValueError("loading a draft-head ranking needs the model's identity, to check the file belongs to it")
-    return load_ranking(section["path"], identity)
+    return tagged_file.shared(load_ranking, section["path"], identity)

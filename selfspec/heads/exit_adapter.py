@@ -147,9 +147,9 @@ def exit_adapter_for(choice, profile: dict, identity: ModelIdentity | None, exit
         if not context:
             raise ValueError(f"{path} is a context head, which this method cannot draft with; give an exit "
                              f"adapter file or 'none'")
-        adapter = context_head.load_context_head(path, identity)
+        adapter = tagged_file.shared(context_head.load_context_head, path, identity)
     else:
-        adapter = load_exit_adapter(path, identity)
+        adapter = tagged_file.shared(load_exit_adapter, path, identity)
     if exit_layer is not None and adapter.exit_layer != exit_layer:
         raise ValueError(f"exit adapter {path} was trained for k={adapter.exit_layer}, not k={exit_layer}; "
                          f"use -k {adapter.exit_layer} or calibrate k={exit_layer}")

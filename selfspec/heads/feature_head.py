@@ -210,5 +210,5 @@ def feature_head_for(profile: dict, identity: ModelIdentity | None) -> tuple[Fea
         if not path.is_file():
             raise ValueError(f"{identity.name} has no feature head (none shipped, none calibrated): run "
                              f"`selfspec calibrate --head feature` first, or use another --method")
-    head, draft_ids = load_feature_head(path, identity)
+    head, draft_ids = tagged_file.shared(load_feature_head, path, identity)
     return head, draft_ids, path

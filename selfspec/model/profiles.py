@@ -10,6 +10,8 @@ profile found for one model is never silently used with another. One file per mo
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -74,7 +76,7 @@ def load_profile(identity: ModelIdentity, path: str | Path | None = None) -> dic
             raise FileNotFoundError(f"no profile at {path}")
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = copy.deepcopy(_read_json(str(path.resolve()), *_stamp(path)))  # callers may change their copy
     except json.JSONDecodeError as err:
         raise ValueError(f"profile {path} is not valid JSON ({err}); delete it or run the search again") from None
     found = data.get("identity", {})
@@ -105,11 +107,28 @@ def shipped_choice(identity: ModelIdentity, dtype: str | None, device: str = "cp
     """The configuration shipped in selfspec/data/shipped_profiles.json for this model, dtype and
     device type (method, exit_layer, draft_len, measured), or None: what `auto` runs before any
     tune here. Entries keyed by the dtype alone were measured on CPUs; "dtype@cuda" on a GPU."""
+    table = _shipped_table()
+    key = dtype or ""
+    return copy.deepcopy(table.get(identity.slug(), {}).get(key if device == "cpu" else f"{key}@{device}"))
+
+
+@functools.cache
+def _shipped_table() -> dict:
     from importlib import resources
 
-    table = json.loads(resources.files("selfspec").joinpath("data/shipped_profiles.json").read_text())
-    key = dtype or ""
-    return table.get(identity.slug(), {}).get(key if device == "cpu" else f"{key}@{device}")
+    return json.loads(resources.files("selfspec").joinpath("data/shipped_profiles.json").read_text())
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+@functools.lru_cache(maxsize=32)
+def _read_json(path: str, mtime_ns: int, size: int) -> dict:
+    """A profile file's contents, read once while it is unchanged (a server prepares every request
+    with its model's profile)."""
+    return json.loads(Path(path).read_text())
 
 
 def runs_here(choice: dict) -> bool:

@@ -250,7 +250,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shap
             and not gemv.needs_grad(x)):
         scale = scales[i] if scales else None
         if shape.compiled:  # the custom op, over every row of the bucket
-            return torch.ops.selfspec.native.gemv(x, w, bias, scale)
+            return torch.ops.selfspec.gemv(x, w, bias, scale)
         # Only the live rows, the padding rows' outputs copied from the last live one: no live
         # row reads a padding row (they attend and write only to the scratch slot), and each
         # row's result is the same whatever the row count (selfspec.native.gemv), so an exact-mode step

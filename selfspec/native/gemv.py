@@ -18,7 +18,7 @@ on every such CPU.)
 Built once per machine with g++ (about 3 s with the fused layer) into the selfspec cache and loaded with ctypes;
 without g++, AVX2 or FMA, or with SELFSPEC_GEMV=0, `available()` is False and the lean step keeps
 PyTorch's kernels. The eager lean step calls it directly (4 µs a call); compiled code calls it as
-the custom op `torch.ops.selfspec.native.gemv` (9 µs), which torch.compile keeps as one opaque call while
+the custom op `torch.ops.selfspec.gemv` (9 µs), which torch.compile keeps as one opaque call while
 it fuses the small ops around it.
 """
 
