@@ -356,6 +356,13 @@ class ModelAdapter:
             q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
         )
 
+    def rope_tables(self, capacity: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The rotary tables by rope type, cos and sin [positions, rotary_dim] each, covering at least
+        `capacity` positions (they grow as caches do; fused kernels and CUDA graphs read them)."""
+        if capacity or not self._rope:
+            self._ensure_rope(max(capacity, 1))
+        return self._rope
+
     def _ensure_rope(self, capacity: int) -> None:
         """Tabulate cos/sin for positions < capacity with the model's own rotary module."""
         have = next(iter(self._rope.values()))[0].shape[0] if self._rope else 0

@@ -125,7 +125,7 @@ class StepGraphs:
 
     def _key(self, layers, cache, skip, rows: int) -> tuple:
         layers = tuple(layers)
-        ropes = tuple(t.data_ptr() for pair in self.step.adapter._rope.values() for t in pair)
+        ropes = tuple(t.data_ptr() for pair in self.step.adapter.rope_tables().values() for t in pair)
         exit_states = cache.exit_states.data_ptr() if cache.exit_states is not None else None
         return (layers, tuple(i for i in layers if i in skip.attn), tuple(i for i in layers if i in skip.mlp),
                 rows, cache.capacity, cache.keys.data_ptr(), cache.values.data_ptr(), cache.exit_layer,

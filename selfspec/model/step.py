@@ -466,7 +466,7 @@ class LeanStep:
                     torch._dynamo.maybe_mark_dynamic(allowed, 1)  # exact mode: the span is the whole cache
                 masks[spec.window] = allowed
             if spec.rope not in ropes:
-                cos, sin = self.adapter._rope[spec.rope]
+                cos, sin = self.adapter.rope_tables()[spec.rope]
                 ropes[spec.rope] = (cos[pos], sin[pos])
                 static(ropes[spec.rope][0], 0)
                 static(ropes[spec.rope][1], 0)

@@ -61,9 +61,8 @@ def unsupported_reason(step) -> str | None:
     w = step.weights[0]
     if w.wqkv.dtype not in DTYPES or w.wqkv.dtype not in gemv.WEIGHTS.get(adapter.dtype, ()):
         return f"{w.wqkv.dtype} weights with {adapter.dtype} activations"
-    adapter._ensure_rope(1)  # the rotary tables (extended as caches grow), to read their width and dtype
     if any(cos.shape[-1] != shape.head_dim or cos.dtype != adapter.dtype or not cos.is_contiguous()
-           for cos, _ in adapter._rope.values()) or shape.head_dim % 16:
+           for cos, _ in adapter.rope_tables().values()) or shape.head_dim % 16:
         return "partial rotary or a head size that is not a multiple of 16"
     if step.weights[0].wo.shape[0] % 8 or step.weights[0].wd.shape[1] % 8:
         return "a hidden or MLP size that is not a multiple of 8"
@@ -111,7 +110,7 @@ class FusedLayers:
             spec = adapter.specs[i]
             do_attn, do_mlp = i not in skip.attn, i not in skip.mlp
             if do_attn or do_mlp:
-                cos, sin = adapter._rope[spec.rope]
+                cos, sin = adapter.rope_tables()[spec.rope]
                 status = self._call(dims, ctypes.byref(self.structs[i]), self.dtype, x.data_ptr(), n, start,
                                     spec.window or 0, cos.data_ptr(), sin.data_ptr(), k0 + i * layer_bytes,
                                     v0 + i * layer_bytes, cache.capacity, int(do_attn), int(do_mlp), threads,
