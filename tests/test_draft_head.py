@@ -147,7 +147,7 @@ def test_calibrate_ranks_prompts_and_outputs_and_generate_finds_it(tiny, tmp_pat
 
 
 def test_cli_draft_vocab_flag():
-    parser = cli._build_parser()
+    parser = cli.build_parser()
     assert parser.parse_args(["generate", "--draft-vocab", "8", "hi"]).draft_vocab == 8
     assert parser.parse_args(["bench", "--draft-vocab", "8"]).draft_vocab == 8
     assert parser.parse_args(["generate", "hi"]).draft_vocab is None
