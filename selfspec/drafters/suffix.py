@@ -1,0 +1,181 @@
+"""Suffix decoding (Oliaro et al. 2024, "SuffixDecoding"; Snowflake's Arctic Inference, vLLM's
+`suffix` method): drafts from everything this process has seen, not only the current request.
+
+One `SuffixStore` per served model (and, if asked, per tenant) holds recent token sequences of
+every request — prompt and output, indexed as they grow, so requests in flight draft from each
+other — under a token budget, the oldest evicted first. Each round the drafter finds the places
+where the context's longest suffix occurred before (in any sequence, its own included), then walks
+their continuations token by token, taking the most frequent next token while at least
+`min_share` of the matches still agree. The draft may be as long as the match (`max_spec_factor`
+tokens per matched token), capped by γ: long, frequent matches draft tens of tokens, no match
+drafts nothing (a plain step). Deterministic, like prompt lookup: with sampling, q is one-hot.
+
+The store is a k-gram index (k = `key_len`) over every position that has a continuation, each
+k-gram keeping its most recent `max_candidates` places; a candidate's match length is extended
+backwards up to `max_match` tokens. Thread-safe: the scheduler's thread drafts while others add.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from selfspec.core.draft import Draft, DraftContext
+
+DEFAULT_MAX_TOKENS = 1_000_000  # store budget: ~1M tokens of past text (tens of MB with the index)
+
+
+class SuffixStore:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, key_len: int = 3, max_candidates: int = 32,
+                 max_match: int = 64):
+        """max_tokens: tokens kept, over all sequences (the oldest sequence goes first past it);
+        key_len: the shortest match used, and the index's key; max_candidates: places kept per
+        key (the most recent); max_match: longest match measured."""
+        if max_tokens < 1 or key_len < 1 or max_candidates < 1 or max_match < key_len:
+            raise ValueError("need max_tokens, key_len, max_candidates >= 1 and max_match >= key_len")
+        self.max_tokens, self.key_len, self.max_candidates, self.max_match = max_tokens, key_len, max_candidates, max_match
+        self._seqs: collections.OrderedDict[int, Sequence[int]] = collections.OrderedDict()  # oldest first
+        self._indexed: dict[int, int] = {}  # sequence id -> positions indexed (ends of k-grams < this)
+        self._index: dict[tuple[int, ...], collections.deque] = {}  # k-gram -> deque of (sequence id, end)
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens indexed now (for /metrics)."""
+        with self._lock:
+            return sum(self._indexed.values())
+
+    @property
+    def sequences(self) -> int:
+        with self._lock:
+            return len(self._seqs)
+
+    def add(self, tokens: Sequence[int]) -> int:
+        """Keep `tokens` (a list that may still grow: its new tokens are indexed as they come);
+        returns its id."""
+        with self._lock:
+            sid = self._next_id
+            self._next_id += 1
+            self._seqs[sid] = tokens
+            self._indexed[sid] = 0
+            return sid
+
+    def draft(self, context: Sequence[int], max_len: int, max_spec_factor: float = 1.0,
+              min_share: float = 0.3) -> tuple[list[int], int]:
+        """Up to max_len tokens predicted to follow `context`, and the match length they came
+        from ([] and 0 without a match of key_len tokens)."""
+        k = self.key_len
+        if max_len <= 0 or len(context) < k:
+            return [], 0
+        with self._lock:
+            self._refresh()
+            places = self._index.get(tuple(context[-k:]))
+            if not places:
+                return [], 0
+            scored = [(self._match(context, sid, end), sid, end) for sid, end in places if sid in self._seqs]
+            if not scored:
+                return [], 0
+            best = max(s[0] for s in scored)
+            alive = [(sid, end) for length, sid, end in scored if length == best]
+            limit = min(max_len, max(1, int(max_spec_factor * best)))
+            draft: list[int] = []
+            while len(draft) < limit and alive:
+                counts = collections.Counter()
+                for sid, end in alive:
+                    seq = self._seqs[sid]
+                    if end + len(draft) < len(seq):
+                        counts[seq[end + len(draft)]] += 1
+                if not counts:
+                    break
+                token, count = counts.most_common(1)[0]
+                if count < min_share * len(alive):
+                    break
+                alive = [(sid, end) for sid, end in alive
+                         if end + len(draft) < len(self._seqs[sid]) and self._seqs[sid][end + len(draft)] == token]
+                draft.append(int(token))
+            return draft, best
+
+    def _match(self, context: Sequence[int], sid: int, end: int) -> int:
+        """How many tokens before `end` in sequence sid equal the context's last ones."""
+        seq, n = self._seqs[sid], 0
+        while n < self.max_match and n < end and n < len(context) and seq[end - 1 - n] == context[-1 - n]:
+            n += 1
+        return n
+
+    def _refresh(self) -> None:
+        """Index the new tokens of every sequence, then evict the oldest past the budget."""
+        k = self.key_len
+        for sid, seq in self._seqs.items():
+            done, upto = self._indexed[sid], len(seq) - 1  # a place needs a continuation token
+            for end in range(max(done, k), upto + 1):
+                key = tuple(seq[end - k : end])
+                places = self._index.get(key)
+                if places is None:
+                    places = self._index[key] = collections.deque(maxlen=self.max_candidates)
+                places.append((sid, end))
+            self._indexed[sid] = max(done, upto + 1)
+        total = sum(self._indexed.values())
+        while total > self.max_tokens and len(self._seqs) > 1:
+            sid, seq = self._seqs.popitem(last=False)
+            indexed = self._indexed.pop(sid)
+            total -= indexed
+            for end in range(k, indexed):
+                places = self._index.get(tuple(seq[end - k : end]))
+                if places is not None:
+                    try:
+                        places.remove((sid, end))
+                    except ValueError:
+                        pass  # already pushed out by newer places
+                    if not places:
+                        del self._index[tuple(seq[end - k : end])]
+
+
+_stores: dict[tuple, SuffixStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(model_key, tenant: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS) -> SuffixStore:
+    """The process's store for one model (its identity) and tenant (None: shared by all)."""
+    with _stores_lock:
+        key = (model_key, tenant)
+        if key not in _stores:
+            _stores[key] = SuffixStore(max_tokens)
+        return _stores[key]
+
+
+class SuffixDraft:
+    name = "suffix"
+    exit_layer = None
+
+    def __init__(self, store: SuffixStore, draft_len: int = 32, max_spec_factor: float = 1.0,
+                 min_share: float = 0.3):
+        """store: where past sequences are kept (store_for); draft_len: γ, the most tokens a round;
+        max_spec_factor: draft tokens allowed per matched token; min_share: the least share of the
+        matches that must agree on a drafted token."""
+        if draft_len < 1:
+            raise ValueError(f"draft length must be >= 1, got {draft_len}")
+        self.store, self.draft_len, self.max_spec_factor, self.min_share = store, draft_len, max_spec_factor, min_share
+        self.match_len = 0  # the last round's match length (0: no match)
+
+    def begin(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        self._vocab = ctx.adapter.lm_head.out_features
+        self.store.add(ctx.committed)  # this request's prompt and output, for it and every later one
+
+    def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
+        device = self.ctx.adapter.device
+        tokens, self.match_len = self.store.draft(self.ctx.committed, min(self.draft_len, max_len),
+                                                  self.max_spec_factor, self.min_share)
+        draft = torch.tensor(tokens, dtype=torch.long, device=device)
+        if self.ctx.sampling.greedy or not tokens:
+            return Draft(tokens=draft)
+        q = torch.zeros(len(tokens), self._vocab, dtype=torch.float32, device=device)  # [γ, vocab], one-hot
+        q[torch.arange(len(tokens), device=device), draft] = 1.0
+        return Draft(tokens=draft, draft_probs=q)
+
+    def observe(self, n_accepted: int) -> None:
+        pass
