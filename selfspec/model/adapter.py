@@ -56,6 +56,42 @@ class LayerSpec:
     rope: str  # which rotary table this layer uses (Gemma 3: local and global layers differ)
 
 
+class LayerHooks:
+    """How a probe or a draft of an adaptive family looks inside the layers it runs, or changes
+    their MLPs, without extra arguments on `run_layers`. The base runs the layers as they are."""
+
+    def sublayer(self, kind: str, layer: int, residual: torch.Tensor) -> None:
+        """Each sublayer's output, the residual it adds: kind "attn" or "mlp"."""
+
+    def mlp(self, layer: int, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s MLP (or MoE block) on x."""
+        return block(x)
+
+
+NO_HOOKS = LayerHooks()
+
+
+class Recorder(LayerHooks):
+    """Keeps each sublayer's output, keyed ("attn", i) and ("mlp", i) (ConfLayers' probe)."""
+
+    def __init__(self):
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def sublayer(self, kind: str, layer: int, residual: torch.Tensor) -> None:
+        self.outputs[kind, layer] = residual
+
+
+class ExpertBudget(LayerHooks):
+    """Routes each MoE layer's tokens to only `experts` experts (expert-subset's draft; see
+    selfspec.model.moe); dense MLPs run as they are."""
+
+    def __init__(self, experts: int):
+        self.experts = experts
+
+    def mlp(self, layer: int, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return routed(block, x, self.experts)
+
+
 class ModelAdapter:
     def __init__(self, hf_model: torch.nn.Module):
         config = hf_model.config
@@ -176,8 +212,7 @@ class ModelAdapter:
         rowwise: bool = False,
         skip: SkipSet = NO_SKIP,
         write: bool = True,
-        record: dict | None = None,
-        experts: int | None = None,
+        hooks: LayerHooks | None = None,
         siblings: bool = False,
     ) -> torch.Tensor:
         """Run `layers` (indices, in order) on h [1, n, hidden] at positions start .. start+n-1.
@@ -189,10 +224,9 @@ class ModelAdapter:
         write=False: a probe that leaves the cache untouched: the rows attend to the cache's
         positions < start and to their own keys. A probe may also take h [b, 1, hidden]: b
         candidate states of one token at position `start`, each attending to the cache and itself.
-        record: if a dict, receives each sublayer's output (the residual it adds), keyed
-        ("attn", i) and ("mlp", i).
-        experts: route each MoE layer's tokens to only this many experts (a draft; see selfspec.model.moe);
-        None runs the model's own routing.
+        hooks: how an adaptive family looks inside the layers or changes their MLPs (LayerHooks:
+        ConfLayers records each sublayer's output; expert-subset routes MoE layers to fewer
+        experts); None runs the layers as they are.
         siblings=True: rows 1.. are alternative tokens for position start+1, in slots start+1 ..
         start+n-1, each attending to positions <= start and itself (a sibling verify; only where
         `runs_siblings`).
@@ -206,7 +240,7 @@ class ModelAdapter:
         top logits lie within that rounding of each other (never seen in the tests or benchmarks).
         """
         n = h.shape[1]
-        if self.step is not None and write and record is None and experts is None and h.shape[0] == 1:
+        if self.step is not None and write and hooks is None and h.shape[0] == 1:
             return self.step.run(h, layers, start, cache, skip, siblings)
         if siblings:
             raise ValueError("sibling rows run only in the fused layer (ModelAdapter.runs_siblings)")
@@ -217,7 +251,7 @@ class ModelAdapter:
             spec = self.specs[i]
             if spec.window not in masks:
                 masks[spec.window] = None if rowwise else _causal_mask(start, n, spec.window, self.device)
-            h = self._layer(i, h, start, cache, masks[spec.window], rowwise, skip, write, record, experts)
+            h = self._layer(i, h, start, cache, masks[spec.window], rowwise, skip, write, hooks or NO_HOOKS)
             if write and cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache)
                 cache.write_exit_states(start, h)
         return h
@@ -265,7 +299,7 @@ class ModelAdapter:
 
     # -- one decoder layer --------------------------------------------------------------------
 
-    def _layer(self, i, h, start, cache, mask, rowwise, skip, write, record, experts=None) -> torch.Tensor:
+    def _layer(self, i, h, start, cache, mask, rowwise, skip, write, hooks) -> torch.Tensor:
         layer = self.layers[i]
         sandwich = self.layout == "sandwich"
         if i not in skip.attn:
@@ -273,16 +307,14 @@ class ModelAdapter:
             a = self._attention(i, x, start, cache, mask, rowwise, write)
             if sandwich:
                 a = layer.post_attention_layernorm(a)
-            if record is not None:
-                record["attn", i] = a
+            hooks.sublayer("attn", i, a)
             h = h + a
         if i not in skip.mlp:
             x = layer.pre_feedforward_layernorm(h) if sandwich else _rms_norm(layer.post_attention_layernorm, h)
-            m = layer.mlp(x) if experts is None else routed(layer.mlp, x, experts)
+            m = hooks.mlp(i, layer.mlp, x)
             if sandwich:
                 m = layer.post_feedforward_layernorm(m)
-            if record is not None:
-                record["mlp", i] = m
+            hooks.sublayer("mlp", i, m)
             h = h + m
         return h
 

@@ -4,7 +4,7 @@ confidence, read from the entropy of their sublayer outputs, is low for the curr
 Our form of the method, step by step:
 
 1. Confidence. Every `every` verification rounds, one probe forward (`run_layers(write=False,
-   record=...)`: it writes nothing to the cache) runs the full model over the last W committed
+   hooks=Recorder())`: it writes nothing to the cache) runs the full model over the last W committed
    tokens and records each sublayer's output r, the residual it adds. For one token,
        p_j = r_j² / Σ_k r_k²          (the share of the update's energy in hidden dimension j)
        conf(r) = 1 - H(p) / log d      (d hidden dimensions; 0 = energy spread evenly, 1 = one dim)
@@ -46,6 +46,7 @@ import torch
 
 from selfspec.core.draft import Draft, DraftContext
 from selfspec.drafters.layers.shallow import draft_shallow
+from selfspec.model.adapter import Recorder
 from selfspec.model.skips import SkipSet
 
 
@@ -198,8 +199,8 @@ class ConfLayers:
         end = cache.length
         first = max(0, end - self.window)
         ids = torch.tensor(self.ctx.committed[first:end], device=adapter.device)
-        record: dict = {}
-        adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), first, cache, write=False, record=record)
-        ratios = local_ratio(layer_confidence(record, adapter.n_layers), self.radius)  # [L]
+        record = Recorder()
+        adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), first, cache, write=False, hooks=record)
+        ratios = local_ratio(layer_confidence(record.outputs, adapter.n_layers), self.radius)  # [L]
         self.multiplier = adapt_multiplier(ratios, self.multiplier, self.skip_ratio, self.band)
         return threshold_skip(ratios, self.multiplier)

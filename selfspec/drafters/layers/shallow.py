@@ -16,6 +16,7 @@ import torch
 
 from selfspec.heads.draft_head import PrunedHead
 from selfspec.core.draft import Draft, DraftContext
+from selfspec.model.adapter import ExpertBudget
 from selfspec.model.moe import moe_layers
 from selfspec.core.sampling import logits_to_probs, sample
 from selfspec.model.skips import SkipSet
@@ -44,8 +45,10 @@ def draft_shallow(
     if gamma <= 0:
         return Draft(tokens=pending.new_empty(0))
     boundary = skip.boundary(adapter.n_layers)
+    hooks = None
     if experts is not None:
         boundary = min([boundary, *moe_layers(adapter.layers)])
+        hooks = ExpertBudget(experts)
     before = range(boundary)
     # Layers skipped whole are left out of the list, not visited per token (early exit: none left).
     after = [i for i in range(boundary, adapter.n_layers) if i not in skip.skipped_layers()]
@@ -54,7 +57,7 @@ def draft_shallow(
     for i in range(gamma):
         h = adapter.run_layers(adapter.embed(token), before, start + i, ctx.cache)  # [1, 1, hidden]
         hidden.append(h)
-        h = adapter.run_layers(h, after, start + i, ctx.cache, skip=skip, experts=experts)
+        h = adapter.run_layers(h, after, start + i, ctx.cache, skip=skip, hooks=hooks)
         token, q, logits = draft_token(ctx, h, ctx.generator, transform, head)
         if q is not None:
             probs.append(q)
