@@ -93,7 +93,7 @@ def test_a_failed_build_falls_back_to_pytorch_with_a_note(tmp_path, monkeypatch,
     monkeypatch.setattr(gemv, "SOURCE", broken)
     assert gemv._build() is None
     assert "could not build the one-row product kernel" in capsys.readouterr().err
-    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # nothing half-built left behind
+    assert not list((tmp_path / "cache" / "kernels").rglob("*.so"))  # nothing half-built left behind
     monkeypatch.setenv("SELFSPEC_GEMV", "0")
     assert gemv._build() is None
 

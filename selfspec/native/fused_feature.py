@@ -17,28 +17,16 @@ alone) the PyTorch modules do.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 
 import torch
 
 from selfspec.native import gemv
-from selfspec.native.fused_layer import Dims, Weights
 from selfspec.native.fused_layer import norm_eps
 
 ROWS = gemv.MAX_ROWS
 DTYPES = {torch.bfloat16: 0, torch.float32: 2}
-
-
-class FeatureDims(ctypes.Structure):
-    _fields_ = [("block", Dims), ("vocab", ctypes.c_long), ("final_eps", ctypes.c_float),
-                ("softcap", ctypes.c_float), ("final_gemma", ctypes.c_int)]
-
-
-class FeatureWeights(ctypes.Structure):
-    _fields_ = [("block", Weights)] + [(name, ctypes.c_void_p) for name in
-                                       ("feature_norm", "token_norm", "fc", "final_norm", "head", "head_bias")]
 
 
 def unsupported_reason(head, adapter, pruned) -> str | None:
@@ -66,27 +54,22 @@ def unsupported_reason(head, adapter, pruned) -> str | None:
 
 
 class FusedFeature:
-    """The kernel's view of one feature head (and pruned draft head) on one model, built once:
-    the pointers stay valid while the head and the PrunedHead hold their tensors."""
+    """The kernel's view of one feature head (and pruned draft head) on one model, built once: the
+    op `feature_step` (kernels/ops.cpp) checks the tensors on every call."""
 
     def __init__(self, head, adapter, pruned):
         b = head.block
-        self._call = gemv._STATE["lib"].selfspec_feature
-        self.head, self.adapter, self.dtype = head, adapter, DTYPES[adapter.dtype]
+        self._op = gemv._STATE["lib"].feature_step.default
+        self.head, self.adapter = head, adapter
         norm = adapter.norm
-        final_eps = norm_eps(norm, 1e-6)
-        block = Dims(head.hidden_size, b.heads, b.heads, b.head_dim, b.width, b.attn_norm.eps or 1e-6,
-                     1.0 / math.sqrt(b.head_dim), 0, 0, 0, 0)
+        self.final_eps = norm_eps(norm, 1e-6)
+        self.heads, self.eps, self.scale = b.heads, b.attn_norm.eps or 1e-6, 1.0 / math.sqrt(b.head_dim)
+        self.softcap, self.final_gemma = adapter.final_softcap or 0.0, adapter.layout == "sandwich"
         self.vocab = 0 if pruned is None else len(pruned)
-        self.dims = FeatureDims(block, self.vocab, final_eps, adapter.final_softcap or 0.0,
-                                int(adapter.layout == "sandwich"))
-        weights = Weights(b.qkv.weight.data_ptr(), None, b.o.weight.data_ptr(), b.up.weight.data_ptr(),
-                          b.down.weight.data_ptr(), None, None, None, None, b.attn_norm.weight.data_ptr(), None,
-                          b.mlp_norm.weight.data_ptr(), None, None, None)
-        self.weights = FeatureWeights(weights, head.feature_norm.weight.data_ptr(), head.token_norm.weight.data_ptr(),
-                                      head.fc.weight.data_ptr(), None if pruned is None else norm.weight.data_ptr(),
-                                      None if pruned is None else pruned.weight.data_ptr(),
-                                      None if pruned is None or pruned.bias is None else pruned.bias.data_ptr())
+        self.weights = [b.qkv.weight, b.o.weight, b.up.weight, b.down.weight, b.attn_norm.weight, b.mlp_norm.weight,
+                        head.feature_norm.weight, head.token_norm.weight, head.fc.weight,
+                        None if pruned is None else norm.weight, None if pruned is None else pruned.weight,
+                        None if pruned is None else pruned.bias]
         self._logits = torch.empty(1, max(self.vocab, 1))
 
     def __call__(self, previous: torch.Tensor, embedded: torch.Tensor, start: int,
@@ -95,14 +78,9 @@ class FusedFeature:
         final states [1, n, d] (their keys and values written into `kv`, the head's cache) and the
         draft head's float32 logits [1, N] of the last row (None without a pruned head). The
         logits tensor is reused by the next call."""
-        n, d = previous.shape[1], previous.shape[2]
-        previous, embedded = previous.contiguous(), embedded.contiguous()
-        h = torch.empty(1, n, d, dtype=previous.dtype)
+        n = previous.shape[1]
         cos, sin = self.head.block._rope(0, start + n, previous.dtype, previous.device)  # rows from position 0
-        status = self._call(ctypes.byref(self.dims), ctypes.byref(self.weights), self.dtype, previous.data_ptr(),
-                            embedded.data_ptr(), h.data_ptr(), n, start, cos.data_ptr(), sin.data_ptr(),
-                            kv.keys.data_ptr(), kv.values.data_ptr(), kv.capacity,
-                            self._logits.data_ptr() if self.vocab else None, torch.get_num_threads())
-        if status:
-            raise ValueError(f"the fused feature step refused {n} rows at position {start} (status {status})")
+        h = self._op(previous.contiguous(), embedded.contiguous(), self.weights, cos, sin, kv.keys, kv.values,
+                     self._logits if self.vocab else None, self.heads, self.eps, self.scale, self.final_eps,
+                     self.softcap, self.final_gemma, start)
         return h, (self._logits if self.vocab else None)

@@ -4,7 +4,8 @@ forwards of up to ROWS rows on a CPU.
 Why: with the products at the kernel's speed (selfspec.native.gemv), what kept the eager lean step at
 twice the memory floor was ~35 small PyTorch ops per layer (norms, casts, rotary, the cache write,
 attention, activation, residuals), about 5 µs each: over 1,000 a SmolLM2 step, ~5 of its 16 ms.
-Here they are a few loops of C++ between the products, and a layer is one ctypes call.
+Here they are a few loops of C++ between the products, and a layer is one call of the op
+`fused_layer` (kernels/ops.cpp, which checks every tensor before the kernel sees it).
 
 Exactness by construction: each row's arithmetic is its own, in one fixed order, whatever the
 number of rows in the call or the thread count (products four rows at a time as selfspec.native.gemv,
@@ -20,7 +21,6 @@ SELFSPEC_FUSED=0 turns it off (the tests compare both).
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import torch
@@ -30,23 +30,6 @@ from selfspec.native import gemv
 ROWS = gemv.MAX_ROWS  # the most rows a fused call takes; more (a prefill) run PyTorch's path
 DTYPES = {torch.bfloat16: 0, torch.int8: 1, torch.float32: 2}  # weight dtype -> the kernel's code
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
-
-
-class Dims(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
-                ("head_dim", ctypes.c_long), ("inter", ctypes.c_long), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("act", ctypes.c_int), ("sandwich", ctypes.c_int),
-                ("qk_norm", ctypes.c_int), ("gated", ctypes.c_int)]
-
-
-class Weights(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("wqkv", "bqkv", "wo", "wgu", "wd", "sqkv", "so", "sgu", "sd",
-                 "norm_in", "norm_attn", "norm_ff", "norm_post", "q_norm", "k_norm")]
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def unsupported_reason(step) -> str | None:
@@ -73,50 +56,37 @@ def unsupported_reason(step) -> str | None:
 
 
 class FusedLayers:
-    """The kernel's view of a LeanStep's fused weights: one Dims and one Weights struct per layer,
-    built once (the pointers stay valid: the step holds the tensors)."""
+    """The kernel's view of a LeanStep's fused weights: one list of tensors per layer (entry.h's
+    Weights, None where a layer has none), built once; the op checks them on every call."""
 
     def __init__(self, step):
         shape, adapter = step.shape, step.adapter
-        lib = gemv._STATE["lib"]
-        self._call = lib.selfspec_layer
+        self._op = gemv._STATE["lib"].fused_layer.default
         self.adapter = adapter
-        self.dtype = DTYPES[step.weights[0].wqkv.dtype]
-        inter = step.weights[0].wgu.shape[0] // 2
-        self.dims = Dims(step.weights[0].wo.shape[0], shape.n_heads, shape.n_kv_heads, shape.head_dim, inter, shape.eps,
-                         shape.scale, ACTS[shape.act], int(shape.sandwich), int(shape.qk_norm), 1)
-        self.structs = []
+        self.shape = shape
+        self.act = ACTS[shape.act]
+        self.weights = []
         for lw in step.weights:
-            scales = [_ptr(s) for s in lw.scales] or [None] * 4
+            scales = list(lw.scales) or [None] * 4
             norms = list(lw.norms) if shape.sandwich else [lw.norms[0], None, lw.norms[1], None]
             q_norm, k_norm = lw.qk_norms or (None, None)
-            self.structs.append(Weights(lw.wqkv.data_ptr(), _ptr(lw.bqkv), lw.wo.data_ptr(), lw.wgu.data_ptr(),
-                                        lw.wd.data_ptr(), *scales, *[_ptr(t) for t in norms], _ptr(q_norm),
-                                        _ptr(k_norm)))
+            self.weights.append([lw.wqkv, lw.bqkv, lw.wo, lw.wgu, lw.wd, *scales, *norms, q_norm, k_norm])
 
     def run(self, h: torch.Tensor, layers, start: int, cache, skip, siblings: bool = False) -> torch.Tensor:
         """h [1, n, hidden] (n <= ROWS) through `layers` at positions start .., as LeanStep.run.
         siblings: rows 1.. are alternatives for position start+1, written to slots start+1 ..
         start+n-1 and each attending to positions <= start and itself (kernels/layer.h)."""
-        adapter = self.adapter
+        adapter, shape, op = self.adapter, self.shape, self._op
         x = h[0].clone(memory_format=torch.contiguous_format)  # [n, hidden], updated in place layer by layer
-        n = x.shape[0]
-        threads = torch.get_num_threads()
         keys, values = cache.keys, cache.values  # [layer, 1, kv_heads, capacity, head_dim]
-        layer_bytes = keys.stride(0) * keys.element_size()
-        k0, v0 = keys.data_ptr(), values.data_ptr()
-        dims = ctypes.byref(self.dims)
+        tables = adapter.rope_tables()
         for i in layers:
             spec = adapter.specs[i]
             do_attn, do_mlp = i not in skip.attn, i not in skip.mlp
             if do_attn or do_mlp:
-                cos, sin = adapter.rope_tables()[spec.rope]
-                status = self._call(dims, ctypes.byref(self.structs[i]), self.dtype, x.data_ptr(), n, start,
-                                    spec.window or 0, cos.data_ptr(), sin.data_ptr(), k0 + i * layer_bytes,
-                                    v0 + i * layer_bytes, cache.capacity, int(do_attn), int(do_mlp), threads,
-                                    int(siblings))
-                if status:
-                    raise ValueError(f"the fused layer refused {n} rows at position {start} (status {status})")
+                cos, sin = tables[spec.rope]
+                op(x, self.weights[i], cos, sin, keys, values, i, shape.n_heads, self.act, shape.sandwich,
+                   shape.qk_norm, shape.eps, shape.scale, start, spec.window or 0, do_attn, do_mlp, siblings)
             if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache)
                 cache.write_exit_states(start, x)
         return x.unsqueeze(0)

@@ -1,5 +1,6 @@
 """Hand-written few-row matrix products for bfloat16, int8 and float32 weights (`kernels/product.h`,
-exported by `kernels/gemv.cpp`; the same library holds the fused decoder layer, selfspec.native.fused_layer).
+the op `gemv` of `kernels/ops.cpp`; the same library holds the fused decoder layer, selfspec.native.fused_layer,
+and the feature head's step, selfspec.native.fused_feature).
 
 Why: a decode step is a chain of one-row products (one to four rows in a verify), each reading its
 whole weight matrix once, so its speed is the rate the weights stream at. PyTorch's CPU kernels
@@ -15,22 +16,24 @@ path, and CPUs with AMX the tile products: each rounds its own way. int8 weights
 path of a CPU with AVX512-VNNI are exact integer sums of x as int16 rows, `vnni`: the same bits
 on every such CPU.)
 
-Built once per machine with g++ (about 3 s with the fused layer) into the selfspec cache and loaded with ctypes;
-without g++, AVX2 or FMA, or with SELFSPEC_GEMV=0, `available()` is False and the lean step keeps
-PyTorch's kernels. The eager lean step calls it directly (4 µs a call); compiled code calls it as
-the custom op `torch.ops.selfspec.gemv` (9 µs), which torch.compile keeps as one opaque call while
-it fuses the small ops around it.
+Built once per machine and flags with torch.utils.cpp_extension (g++ and ninja; about 15 s on
+first use on 2 cores, most of it ops.cpp against torch's headers) into the selfspec cache
+(kernels/<hash>/), which later processes load directly. The kernels are torch ops whose C++ side
+(kernels/ops.cpp) checks every tensor's shape, dtype, device and layout, so a wrong call is a
+RuntimeError, not a crash. Without g++, ninja, AVX2 or FMA, or with SELFSPEC_GEMV=0,
+`available()` is False and the lean step keeps PyTorch's kernels. The eager lean step calls the op
+directly (`linear`, 4-5 µs a call); compiled code calls it as the custom op `torch.ops.selfspec.gemv` (14 µs), which
+torch.compile keeps as one opaque call while it fuses the small ops around it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -38,12 +41,12 @@ import torch
 MAX_ROWS = 16  # four per pass over the weights (kernels/product.h)
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "gemv.cpp"  # and the fused layer and feature step, all over product.h, in one library
-PARTS = ["layer.cpp", "feature.cpp"]  # beside SOURCE
-HEADERS = ["product.h", "layer.h"]
+PARTS = ["layer.cpp", "feature.cpp", "ops.cpp"]  # beside SOURCE; ops.cpp: the torch ops and their checks
+HEADERS = ["product.h", "layer.h", "entry.h"]
 # No contraction or reassociation beyond the kernel's own FMAs: one fixed rounding per row.
-FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+# (cpp_extension adds -fPIC and its C++ standard, which torch's headers need.)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 _STATE: dict = {}
-_LOCAL = threading.local()  # each thread's float32 copy of x (the server decodes on worker threads)
 
 
 PREFETCH = 1024  # weight elements ahead (kernels/product.h), on Intel CPUs only by default
@@ -129,8 +132,9 @@ def kernel_path() -> str:
     return "amx"
 
 
-def _build() -> ctypes.CDLL | None:
-    """The compiled library, built on first use; None (and why, once, on stderr) when it cannot be."""
+def _build():
+    """The kernels' torch ops (`torch.ops.selfspec_<hash>`, kernels/ops.cpp), built on first use;
+    None (and why, once, on stderr) when they cannot be."""
     if os.environ.get("SELFSPEC_GEMV", "1") == "0":
         return None
     if not {"avx2", "fma"} <= _cpu_flags():
@@ -151,32 +155,30 @@ def _build() -> ctypes.CDLL | None:
     flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []
     sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
     text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])
-    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"gemv-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = target.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            subprocess.run(["g++", *flags, "-o", str(scratch), *map(str, sources)], check=True,
-                           capture_output=True, timeout=120)
-            scratch.replace(target)  # atomic: a concurrent process sees the whole library or none
-        except (OSError, subprocess.SubprocessError) as err:
-            scratch.unlink(missing_ok=True)
-            detail = getattr(err, "stderr", b"") or str(err).encode()
-            print(f"selfspec: note: could not build the one-row product kernel ({detail.decode()[:200].strip()}); "
-                  "using PyTorch's", file=sys.stderr)
-            return None
-    lib = ctypes.CDLL(str(target))
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.selfspec_gemv_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
-    lib.selfspec_gemv_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr]
-    lib.selfspec_gemv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32]
-    lib.selfspec_gemv_bf16.restype = lib.selfspec_gemv_int8.restype = lib.selfspec_gemv_f32.restype = i32
-    lib.selfspec_layer.argtypes = [ptr, ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
-    lib.selfspec_layer.restype = i32
-    lib.selfspec_feature.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
-    lib.selfspec_feature.restype = i32
-    return lib
+    digest = hashlib.sha256(text + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:16]
+    # One namespace per build, so builds with other flags (the tests') load beside it in one process.
+    name = f"selfspec_{digest}"
+    directory = cache_root() / "kernels" / digest
+    library = directory / f"{name}.so"
+    try:
+        # Built before (by any process) and not being built now (cpp_extension holds `lock` while it builds).
+        if library.exists() and not (directory / "lock").exists():
+            torch.ops.load_library(str(library))
+        else:
+            from torch.utils import cpp_extension
+
+            directory.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name=name, sources=[str(source) for source in sources], build_directory=str(directory),
+                               extra_cflags=flags + [f"-DSELFSPEC_NS={name}"], extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as err:
+        shutil.rmtree(directory, ignore_errors=True)  # nothing half-built left behind
+        detail = str(err).split("\n")
+        detail = " ".join(line.strip() for line in detail if "error" in line.lower())[:200] or detail[0][:200]
+        print(f"selfspec: note: could not build the one-row product kernel ({detail}); using PyTorch's",
+              file=sys.stderr)
+        return None
+    return getattr(torch.ops, name)
 
 
 def available() -> bool:
@@ -208,28 +210,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     """x [R, in] bfloat16 (R <= MAX_ROWS) · wᵀ for w [out, in] bfloat16, or int8 times its
     per-output scale [out] (bfloat16); plus bias [out] (bfloat16). Returns [R, out] bfloat16.
     Or x, w, bias and the result all float32. rows_out > R: the result has rows_out rows, the
-    extra ones copies of row R - 1 (the padding of exact mode's row bucket)."""
-    rows, inner = x.shape
-    out = w.shape[0]
-    rows_out = rows if rows_out is None else rows_out
-    x = x.contiguous()
-    y = torch.empty(rows_out, out, dtype=x.dtype)
-    b = 0 if bias is None else bias.contiguous().data_ptr()
-    threads = torch.get_num_threads()
-    lib = _STATE["lib"]
-    if x.dtype == torch.float32:
-        status = lib.selfspec_gemv_f32(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, rows_out, threads)
-    else:
-        scratch = _scratch(rows * inner).data_ptr()
-        if w.dtype == torch.int8:
-            status = lib.selfspec_gemv_int8(w.data_ptr(), scale.contiguous().data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner,
-                                            rows, rows_out, threads, scratch)
-        else:
-            status = lib.selfspec_gemv_bf16(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), out, inner, rows, rows_out,
-                                            threads, scratch)
-    if status:
-        raise ValueError(f"the one-row product kernel takes 1..{MAX_ROWS} rows, got {rows}")
-    return y
+    extra ones copies of row R - 1 (the padding of exact mode's row bucket). The op checks every
+    tensor (a wrong one is a RuntimeError)."""
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"the one-row product kernel takes 1..{MAX_ROWS} rows, got {x.shape[0]}")
+    return _STATE["lib"].gemv.default(x.contiguous(), w, None if bias is None else bias.contiguous(),
+                                      None if scale is None else scale.contiguous(), rows_out)
 
 
 def project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,18 +230,11 @@ def project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
 
 @torch.library.custom_op("selfspec::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
-    """`linear` as a custom op, for compiled code."""
+    """`linear` as a custom op, for compiled code: the current build's op (`_STATE["lib"]`, which
+    the tests swap for builds with other flags), with a fake for torch.compile's tracing."""
     return linear(x, w, bias, scale)
 
 
 @gemv_op.register_fake
 def _(x, w, bias, scale):
     return x.new_empty(x.shape[0], w.shape[0])
-
-
-def _scratch(n: int) -> torch.Tensor:
-    """This thread's float32 buffer for x, kept between calls."""
-    buf = getattr(_LOCAL, "scratch", None)
-    if buf is None or buf.numel() < n:
-        buf = _LOCAL.scratch = torch.empty(max(n, 4 * 8192))
-    return buf

@@ -1,4 +1,5 @@
-// The feature head's drafting step for one to sixteen rows in one call (selfspec/native/fused_feature.py):
+// The feature head's drafting step for one to sixteen rows in one call (selfspec/native/fused_feature.py;
+// FeatureDims and FeatureWeights in entry.h, the op and its checks in ops.cpp):
 //   s = fc · [norm(previous final state), norm(token embedding)]          per row
 //   f = the head's block over s: a layer.h layer (attention over the head's own KV cache, then an
 //       ungated SiLU MLP), in place
@@ -10,20 +11,6 @@
 
 #include <cmath>
 #include <vector>
-
-struct FeatureDims {
-    Dims block;        // the head's block; eps is also the two input norms'
-    long vocab;        // rows of the draft head; 0: no logits
-    float final_eps;   // the model's final norm
-    float softcap;     // the model's final soft-cap; 0: none
-    int final_gemma;   // the model's final norm is Gemma's (1 + w), in float32
-};
-
-struct FeatureWeights {
-    Weights block;     // wgu: the MLP's up [width, hidden]; wd: its down [hidden, width]
-    const void *feature_norm, *token_norm, *fc;  // fc [hidden, 2 · hidden]
-    const void *final_norm, *head, *head_bias;   // head [vocab, hidden]; head_bias may be null
-};
 
 template <typename E>
 static int feature(const FeatureDims& d, const FeatureWeights& w, const E* previous, const E* embedded, E* h, int n,
@@ -53,7 +40,7 @@ static int feature(const FeatureDims& d, const FeatureWeights& w, const E* previ
 }
 
 // dtype: 0 bfloat16 throughout, 2 float32 throughout.
-extern "C" int selfspec_feature(const FeatureDims* d, const FeatureWeights* w, int dtype, const void* previous,
+int selfspec_feature(const FeatureDims* d, const FeatureWeights* w, int dtype, const void* previous,
                                 const void* embedded, void* h, int n, long start, const void* cos, const void* sin,
                                 void* kc, void* vc, long capacity, float* logits, int threads) {
     typedef uint16_t B;

@@ -1,9 +1,10 @@
 // selfspec_layer: one decoder layer of a model for one to sixteen rows (layer.h; selfspec/native/fused_layer.py);
-// siblings: rows 1.. are alternatives for the position after row 0's (layer.h, `layer`).
+// siblings: rows 1.. are alternatives for the position after row 0's (layer.h, `layer`). ops.cpp checks
+// the tensors and calls it.
 #include "layer.h"
 
 // dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16 activations), 2 float32 throughout.
-extern "C" int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window,
+int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window,
                               const void* cos, const void* sin, void* kc, void* vc, long capacity, int do_attn,
                               int do_mlp, int threads, int siblings) {
     typedef uint16_t B;

@@ -11,27 +11,12 @@
 // Elementwise steps round as PyTorch's bfloat16 ops do (each op's result rounded once), so the
 // layer stays within rounding of the HF modules; E is bfloat16 (uint16 bits) or float.
 #pragma once
+#include "entry.h"  // Dims, Weights
 #include "product.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
-
-struct Dims {
-    long hidden, heads, kv_heads, head_dim, inter;
-    float eps, scale;
-    int act;       // 0: SiLU, 1: GELU (tanh approximation)
-    int sandwich;  // Gemma 3: (1 + w) norms in float32, and norms after attention and the MLP
-    int qk_norm;   // per-head norms on q and k before rotary
-    int gated;     // 1: act(gate) · up from a [gate | up] product (the models); 0: act(up) (the feature head)
-};
-
-struct Weights {
-    const void *wqkv, *bqkv, *wo, *wgu, *wd;         // [out, in]; bqkv may be null
-    const uint16_t *sqkv, *so, *sgu, *sd;            // int8's per-output-row scales, else null
-    const void *norm_in, *norm_attn, *norm_ff, *norm_post;  // pre-norm: norm_in and norm_ff only
-    const void *q_norm, *k_norm;                     // [head_dim], or null
-};
 
 // Eight elements of E as floats, and eight floats stored as E (rounded to nearest even, as
 // float_to_bf16 rounds every finite value); rnd8: v rounded to E, as floats.

@@ -1,0 +1,55 @@
+// The kernels' entry points (gemv.cpp, layer.cpp, feature.cpp), called only by ops.cpp, which
+// checks every tensor first: these trust their pointers and sizes. Status 0: done; 1: sizes the
+// kernel does not take; 2: an unknown dtype code.
+#pragma once
+#include <cstdint>
+
+struct Dims {
+    long hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    int act;       // 0: SiLU, 1: GELU (tanh approximation)
+    int sandwich;  // Gemma 3: (1 + w) norms in float32, and norms after attention and the MLP
+    int qk_norm;   // per-head norms on q and k before rotary
+    int gated;     // 1: act(gate) · up from a [gate | up] product (the models); 0: act(up) (the feature head)
+};
+
+struct Weights {
+    const void *wqkv, *bqkv, *wo, *wgu, *wd;         // [out, in]; bqkv may be null
+    const uint16_t *sqkv, *so, *sgu, *sd;            // int8's per-output-row scales, else null
+    const void *norm_in, *norm_attn, *norm_ff, *norm_post;  // pre-norm: norm_in and norm_ff only
+    const void *q_norm, *k_norm;                     // [head_dim], or null
+};
+
+struct FeatureDims {
+    Dims block;        // the head's block; eps is also the two input norms'
+    long vocab;        // rows of the draft head; 0: no logits
+    float final_eps;   // the model's final norm
+    float softcap;     // the model's final soft-cap; 0: none
+    int final_gemma;   // the model's final norm is Gemma's (1 + w), in float32
+};
+
+struct FeatureWeights {
+    Weights block;     // wgu: the MLP's up [width, hidden]; wd: its down [hidden, width]
+    const void *feature_norm, *token_norm, *fc;  // fc [hidden, 2 · hidden]
+    const void *final_norm, *head, *head_bias;   // head [vocab, hidden]; head_bias may be null
+};
+
+// y [R_out, N] = x [R, K] · Wᵀ (W [N, K]) (+ bias [N]); int8: times scale [N]. Rows R..R_out-1: copies of row R-1.
+// bfloat16 as uint16_t bits; scratch: float32 for four rows of x.
+int selfspec_gemv_f32(const float* W, const float* x, const float* bias, float* y, long N, long K, int R, int R_out,
+                      int threads);
+int selfspec_gemv_bf16(const uint16_t* W, const uint16_t* x, const uint16_t* bias, uint16_t* y, long N, long K, int R,
+                       int R_out, int threads, float* scratch);
+int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x, const uint16_t* bias, uint16_t* y,
+                       long N, long K, int R, int R_out, int threads, float* scratch);
+
+// One decoder layer over h [n, hidden] in place (layer.h). dtype: 0 bfloat16 weights, 1 int8 weights
+// (bfloat16 activations), 2 float32 throughout. kc, vc: the layer's cache [kv_heads, capacity, head_dim].
+int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window, const void* cos,
+                   const void* sin, void* kc, void* vc, long capacity, int do_attn, int do_mlp, int threads,
+                   int siblings);
+
+// The feature head's drafting step (feature.cpp). dtype: 0 bfloat16 throughout, 2 float32 throughout.
+int selfspec_feature(const FeatureDims* d, const FeatureWeights* w, int dtype, const void* previous,
+                     const void* embedded, void* h, int n, long start, const void* cos, const void* sin, void* kc,
+                     void* vc, long capacity, float* logits, int threads);

@@ -1,0 +1,254 @@
+// selfspec's kernels as torch ops (selfspec/native/gemv.py builds this library with
+// torch.utils.cpp_extension and loads it): the schemas, declared here once, and the checks of
+// every tensor's device, dtype, shape and contiguity before a kernel sees a pointer, so a wrong
+// call is a RuntimeError in Python, never a crash or garbage. The kernels themselves (gemv.cpp,
+// layer.cpp, feature.cpp, entry.h) trust what they are given.
+//
+// The namespace is the build's (SELFSPEC_NS, set by gemv.py: selfspec_<hash of sources and
+// flags>), so builds with other flags (SELFSPEC_GEMV=avx2 and the like, in the tests) load side by
+// side in one process; gemv.py's custom op selfspec::gemv calls the current build's.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "entry.h"
+
+#ifndef SELFSPEC_NS
+#define SELFSPEC_NS selfspec_kernels
+#endif
+#define SELFSPEC_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands SELFSPEC_NS first
+
+using at::Tensor;
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;  // product.h's MAX_ROWS: the most rows a call takes
+
+// t is a contiguous CPU tensor of `dtype` and exactly `shape` (-1: any size there).
+void check(const Tensor& t, const char* name, at::ScalarType dtype, std::vector<int64_t> shape) {
+    TORCH_CHECK(t.defined(), name, " is missing");
+    TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+    TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+    bool fits = t.dim() == (int64_t)shape.size();
+    for (size_t i = 0; fits && i < shape.size(); i++) fits = shape[i] < 0 || t.size(i) == shape[i];
+    TORCH_CHECK(fits, name, " must be of shape ", at::IntArrayRef(shape), " (-1: any), got ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// An optional tensor: checked where present, and present exactly when `wanted`.
+const void* optional_ptr(const std::optional<Tensor>& t, bool wanted, const char* name, at::ScalarType dtype,
+                         std::vector<int64_t> shape) {
+    const bool present = t.has_value() && t->defined();
+    TORCH_CHECK(present == wanted, name, wanted ? " is required here" : " must be None here");
+    if (!present) return nullptr;
+    check(*t, name, dtype, std::move(shape));
+    return t->data_ptr();
+}
+
+// A rotary table, cos or sin: [positions, head_dim] (or more leading dimensions of one row each),
+// contiguous, with a row for every position up to `end`.
+void check_rope(const Tensor& t, const char* name, at::ScalarType dtype, int64_t head_dim, int64_t end) {
+    TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+    TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+    TORCH_CHECK(t.dim() >= 1 && t.size(-1) == head_dim, name, " must end in head_dim ", head_dim, ", got ", t.sizes());
+    TORCH_CHECK(t.numel() / head_dim >= end, name, " has ", t.numel() / head_dim, " positions, ", end, " needed");
+}
+
+// A KV cache tensor [layers, 1, kv_heads, capacity, head_dim] and layer index: the layer's slice.
+void* cache_layer(const Tensor& t, const char* name, at::ScalarType dtype, int64_t layer, int64_t kv_heads,
+                  int64_t head_dim) {
+    check(t, name, dtype, {-1, 1, kv_heads, -1, head_dim});
+    TORCH_CHECK(0 <= layer && layer < t.size(0), "layer ", layer, " is outside the cache's ", t.size(0), " layers");
+    return (char*)t.data_ptr() + layer * t.stride(0) * t.element_size();
+}
+
+at::ScalarType weight_dtype(const Tensor& x, const Tensor& w) {
+    const auto xt = x.scalar_type(), wt = w.scalar_type();
+    TORCH_CHECK(xt == at::kBFloat16 || xt == at::kFloat, "activations must be bfloat16 or float32, got ", xt);
+    TORCH_CHECK(xt == at::kBFloat16 ? (wt == at::kBFloat16 || wt == at::kChar) : wt == at::kFloat,
+                "weights of dtype ", wt, " with ", xt, " activations: bfloat16 takes bfloat16 or int8 weights, float32 "
+                "takes float32");
+    return wt;
+}
+
+// Each thread's float32 scratch for four rows of x, kept between calls.
+float* scratch(int64_t n) {
+    static thread_local std::vector<float> buf;
+    if ((int64_t)buf.size() < n) buf.resize(std::max<int64_t>(n, 4 * 8192));
+    return buf.data();
+}
+
+Tensor gemv(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::optional<Tensor>& scale,
+            std::optional<int64_t> rows_out) {
+    TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
+    TORCH_CHECK(w.dim() == 2, "w must be [out, in], got ", w.sizes());
+    const int64_t R = x.size(0), K = x.size(1), N = w.size(0), R_out = rows_out.value_or(R);
+    TORCH_CHECK(1 <= R && R <= kMaxRows, "the product kernel takes 1..", kMaxRows, " rows, got ", R);
+    TORCH_CHECK(R <= R_out && R_out <= kMaxRows, "rows_out must be in ", R, "..", kMaxRows, ", got ", R_out);
+    const auto wt = weight_dtype(x, w);
+    check(x, "x", x.scalar_type(), {R, K});
+    check(w, "w", wt, {N, K});
+    const void* b = optional_ptr(bias, bias.has_value(), "bias", x.scalar_type(), {N});
+    const void* s = optional_ptr(scale, wt == at::kChar, "scale (int8 weights' per-output scale)", at::kBFloat16, {N});
+    Tensor y = at::empty({R_out, N}, x.options());
+    const int threads = at::get_num_threads();
+    int status;
+    if (wt == at::kFloat)
+        status = selfspec_gemv_f32((const float*)w.data_ptr(), (const float*)x.data_ptr(), (const float*)b,
+                                   (float*)y.data_ptr(), N, K, (int)R, (int)R_out, threads);
+    else if (wt == at::kChar)
+        status = selfspec_gemv_int8((const int8_t*)w.data_ptr(), (const uint16_t*)s, (const uint16_t*)x.data_ptr(),
+                                    (const uint16_t*)b, (uint16_t*)y.data_ptr(), N, K, (int)R, (int)R_out, threads,
+                                    scratch(R * K));
+    else
+        status = selfspec_gemv_bf16((const uint16_t*)w.data_ptr(), (const uint16_t*)x.data_ptr(), (const uint16_t*)b,
+                                    (uint16_t*)y.data_ptr(), N, K, (int)R, (int)R_out, threads, scratch(R * K));
+    TORCH_CHECK(status == 0, "the product kernel refused ", R, " rows (status ", status, ")");
+    return y;
+}
+
+// One decoder layer over x [n, hidden] in place (layer.h). weights: wqkv, bqkv, wo, wgu, wd, sqkv,
+// so, sgu, sd, norm_in, norm_attn, norm_ff, norm_post, q_norm, k_norm (entry.h's Weights), None
+// where a layer has none; keys, values: the model's cache [layers, 1, kv_heads, capacity, head_dim].
+void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
+                 const Tensor& sin, const Tensor& keys, const Tensor& values, int64_t layer, int64_t heads,
+                 int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t start, int64_t window,
+                 bool attn, bool mlp, bool siblings) {
+    TORCH_CHECK(weights.size() == 15, "fused_layer takes 15 weights (entry.h's Weights), got ", weights.size());
+    auto get = [&](int i, const char* name) -> const Tensor& {
+        TORCH_CHECK(weights[i].has_value() && weights[i]->defined(), name, " is missing");
+        return *weights[i];
+    };
+    const Tensor &wqkv = get(0, "wqkv"), &wo = get(2, "wo"), &wgu = get(3, "wgu"), &wd = get(4, "wd");
+    TORCH_CHECK(x.dim() == 2 && wqkv.dim() == 2 && wd.dim() == 2 && keys.dim() == 5,
+                "x [n, hidden], 2-D weights and a 5-D cache, got ", x.sizes(), ", ", wqkv.sizes(), ", ", wd.sizes(),
+                " and ", keys.sizes());
+    const auto E = x.scalar_type(), T = weight_dtype(x, wqkv);
+    const int64_t n = x.size(0), H = x.size(1), nkv = keys.size(2), hd = keys.size(4), I = wd.size(1);
+    const int64_t qdim = heads * hd, qkv_dim = (heads + 2 * nkv) * hd;
+    TORCH_CHECK(1 <= n && n <= kMaxRows, "the fused layer takes 1..", kMaxRows, " rows, got ", n);
+    TORCH_CHECK(heads >= 1 && nkv >= 1 && heads % nkv == 0, heads, " heads do not group over ", nkv, " KV heads");
+    TORCH_CHECK(hd % 16 == 0 && hd <= 512 && H % 8 == 0 && I % 8 == 0, "head size ", hd, " (a multiple of 16, <= 512), "
+                "hidden ", H, " and MLP ", I, " sizes (multiples of 8) the fused layer does not take");
+    TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (tanh GELU), got ", act);
+    TORCH_CHECK(start >= 0 && window >= 0, "start and window must be >= 0, got ", start, " and ", window);
+    check(x, "x", E, {n, H});
+    void* kc = cache_layer(keys, "keys", E, layer, nkv, hd);
+    void* vc = cache_layer(values, "values", E, layer, nkv, hd);
+    TORCH_CHECK(values.size(0) == keys.size(0) && values.size(3) == keys.size(3), "keys ", keys.sizes(),
+                " and values ", values.sizes(), " differ");
+    const int64_t capacity = keys.size(3);
+    TORCH_CHECK(start + n <= capacity, "positions ", start, "..", start + n - 1, " overrun the cache's ", capacity);
+    check_rope(cos, "cos", E, hd, start + n);
+    check_rope(sin, "sin", E, hd, start + n);
+    check(wqkv, "wqkv", T, {qkv_dim, H});
+    check(wo, "wo", T, {H, qdim});
+    check(wgu, "wgu", T, {2 * I, H});
+    check(wd, "wd", T, {H, I});
+    const bool int8 = T == at::kChar;
+    Weights w{};
+    w.wqkv = wqkv.data_ptr(), w.wo = wo.data_ptr(), w.wgu = wgu.data_ptr(), w.wd = wd.data_ptr();
+    w.bqkv = optional_ptr(weights[1], weights[1].has_value(), "bqkv", E, {qkv_dim});
+    w.sqkv = (const uint16_t*)optional_ptr(weights[5], int8, "sqkv", at::kBFloat16, {qkv_dim});
+    w.so = (const uint16_t*)optional_ptr(weights[6], int8, "so", at::kBFloat16, {H});
+    w.sgu = (const uint16_t*)optional_ptr(weights[7], int8, "sgu", at::kBFloat16, {2 * I});
+    w.sd = (const uint16_t*)optional_ptr(weights[8], int8, "sd", at::kBFloat16, {H});
+    w.norm_in = optional_ptr(weights[9], true, "norm_in", E, {H});
+    w.norm_attn = optional_ptr(weights[10], sandwich, "norm_attn", E, {H});
+    w.norm_ff = optional_ptr(weights[11], true, "norm_ff", E, {H});
+    w.norm_post = optional_ptr(weights[12], sandwich, "norm_post", E, {H});
+    w.q_norm = optional_ptr(weights[13], qk_norm, "q_norm", E, {hd});
+    w.k_norm = optional_ptr(weights[14], qk_norm, "k_norm", E, {hd});
+    const Dims d{H, heads, nkv, hd, I, (float)eps, (float)scale, (int)act, sandwich, qk_norm, 1};
+    const int dtype = T == at::kBFloat16 ? 0 : int8 ? 1 : 2;
+    const int status = selfspec_layer(&d, &w, dtype, x.data_ptr(), (int)n, start, window, cos.data_ptr(),
+                                      sin.data_ptr(), kc, vc, capacity, attn, mlp, at::get_num_threads(), siblings);
+    TORCH_CHECK(status == 0, "the fused layer refused ", n, " rows at position ", start, " (status ", status, ")");
+}
+
+// The feature head's drafting step (feature.cpp) over previous, embedded [1, n, hidden]: returns the
+// predicted final states [1, n, hidden]; writes keys and values (the head's cache [1, 1, heads,
+// capacity, head_dim]) and, with a draft head, the last row's float32 logits into logits [.., >= vocab].
+// weights: qkv, o, up, down, attn_norm, mlp_norm, feature_norm, token_norm, fc, then final_norm,
+// head and head_bias (None without a draft head; head_bias may be None).
+Tensor feature_step(const Tensor& previous, const Tensor& embedded, const std::vector<std::optional<Tensor>>& weights,
+                    const Tensor& cos, const Tensor& sin, const Tensor& keys, const Tensor& values,
+                    const std::optional<Tensor>& logits, int64_t heads, double eps, double scale, double final_eps,
+                    double softcap, bool final_gemma, int64_t start) {
+    TORCH_CHECK(weights.size() == 12, "feature_step takes 12 weights, got ", weights.size());
+    TORCH_CHECK(previous.dim() == 3 && previous.size(0) == 1 && keys.dim() == 5,
+                "previous [1, n, hidden] and a 5-D cache, got ", previous.sizes(), " and ", keys.sizes());
+    const auto E = previous.scalar_type();
+    TORCH_CHECK(E == at::kBFloat16 || E == at::kFloat, "the feature step runs in bfloat16 or float32, got ", E);
+    auto get = [&](int i, const char* name) -> const Tensor& {
+        TORCH_CHECK(weights[i].has_value() && weights[i]->defined(), name, " is missing");
+        return *weights[i];
+    };
+    const Tensor &up = get(2, "up");
+    TORCH_CHECK(up.dim() == 2, "up must be [width, hidden], got ", up.sizes());
+    const int64_t n = previous.size(1), H = previous.size(2), hd = keys.size(4), I = up.size(0), qdim = heads * hd;
+    TORCH_CHECK(1 <= n && n <= kMaxRows, "the feature step takes 1..", kMaxRows, " rows, got ", n);
+    TORCH_CHECK(heads >= 1 && hd % 16 == 0 && hd <= 512 && H % 8 == 0 && I % 8 == 0, "head size ", hd,
+                " (a multiple of 16, <= 512), hidden ", H, " and width ", I, " (multiples of 8) the step does not take");
+    TORCH_CHECK(start >= 0, "start must be >= 0, got ", start);
+    check(previous, "previous", E, {1, n, H});
+    check(embedded, "embedded", E, {1, n, H});
+    void* kc = cache_layer(keys, "keys", E, 0, heads, hd);
+    void* vc = cache_layer(values, "values", E, 0, heads, hd);
+    TORCH_CHECK(values.size(3) == keys.size(3), "keys ", keys.sizes(), " and values ", values.sizes(), " differ");
+    const int64_t capacity = keys.size(3);
+    TORCH_CHECK(start + n <= capacity, "positions ", start, "..", start + n - 1, " overrun the cache's ", capacity);
+    check_rope(cos, "cos", E, hd, start + n);
+    check_rope(sin, "sin", E, hd, start + n);
+    const char* names[] = {"qkv", "o", "up", "down", "attn_norm", "mlp_norm", "feature_norm", "token_norm", "fc"};
+    const std::vector<int64_t> shapes[] = {{3 * qdim, H}, {H, qdim}, {I, H}, {H, I}, {H}, {H}, {H}, {H}, {H, 2 * H}};
+    for (int i = 0; i < 9; i++) check(get(i, names[i]), names[i], E, shapes[i]);
+    const bool head = weights[10].has_value() && weights[10]->defined();
+    const int64_t vocab = head ? weights[10]->size(0) : 0;
+    const void* final_norm = optional_ptr(weights[9], head, "final_norm", E, {H});
+    const void* head_w = optional_ptr(weights[10], head, "head", E, {vocab, H});
+    const void* head_bias = optional_ptr(weights[11], head && weights[11].has_value(), "head_bias", E, {vocab});
+    float* out = nullptr;
+    if (head) {
+        TORCH_CHECK(logits.has_value() && logits->defined(), "logits is required with a draft head");
+        check(*logits, "logits", at::kFloat, {-1, -1});
+        TORCH_CHECK(logits->numel() >= vocab, "logits holds ", logits->numel(), " values, ", vocab, " needed");
+        out = (float*)logits->data_ptr();
+    }
+    FeatureDims d{};
+    d.block = Dims{H, heads, heads, hd, I, (float)eps, (float)scale, 0, 0, 0, 0};
+    d.vocab = vocab, d.final_eps = (float)final_eps, d.softcap = (float)softcap, d.final_gemma = final_gemma;
+    FeatureWeights w{};
+    w.block.wqkv = weights[0]->data_ptr(), w.block.wo = weights[1]->data_ptr(), w.block.wgu = up.data_ptr();
+    w.block.wd = weights[3]->data_ptr(), w.block.norm_in = weights[4]->data_ptr();
+    w.block.norm_ff = weights[5]->data_ptr();
+    w.feature_norm = weights[6]->data_ptr(), w.token_norm = weights[7]->data_ptr(), w.fc = weights[8]->data_ptr();
+    w.final_norm = final_norm, w.head = head_w, w.head_bias = head_bias;
+    Tensor h = at::empty({1, n, H}, previous.options());
+    const int status = selfspec_feature(&d, &w, E == at::kBFloat16 ? 0 : 2, previous.data_ptr(), embedded.data_ptr(),
+                                        h.data_ptr(), (int)n, start, cos.data_ptr(), sin.data_ptr(), kc, vc, capacity,
+                                        out, at::get_num_threads());
+    TORCH_CHECK(status == 0, "the feature step refused ", n, " rows at position ", start, " (status ", status, ")");
+    return h;
+}
+
+}  // namespace
+
+SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
+    m.def("gemv(Tensor x, Tensor w, Tensor? bias=None, Tensor? scale=None, int? rows_out=None) -> Tensor");
+    m.def("fused_layer(Tensor(a!) x, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(b!) keys, Tensor(c!) values, "
+          "int layer, int heads, int act, bool sandwich, bool qk_norm, float eps, float scale, int start, int window, "
+          "bool attn, bool mlp, bool siblings) -> ()");
+    m.def("feature_step(Tensor previous, Tensor embedded, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) keys, "
+          "Tensor(b!) values, Tensor(c!)? logits, int heads, float eps, float scale, float final_eps, float softcap, "
+          "bool final_gemma, int start) -> Tensor");
+    m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
+    m.impl("fused_layer", c10::DispatchKey::CPU, TORCH_FN(fused_layer));
+    m.impl("feature_step", c10::DispatchKey::CPU, TORCH_FN(feature_step));
+}
