@@ -132,6 +132,17 @@ def kernel_path() -> str:
     return "amx"
 
 
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH: add the PyPI package's (a dependency) when the venv's
+    bin directory is not on PATH (`.venv/bin/python` run without activating it)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build():
     """The kernels' torch ops (`torch.ops.selfspec_<hash>`, kernels/ops.cpp), built on first use;
     None (and why, once, on stderr) when they cannot be."""
@@ -167,6 +178,7 @@ def _build():
         else:
             from torch.utils import cpp_extension
 
+            _ninja_on_path()
             directory.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(name=name, sources=[str(source) for source in sources], build_directory=str(directory),
                                extra_cflags=flags + [f"-DSELFSPEC_NS={name}"], extra_ldflags=["-fopenmp"],
