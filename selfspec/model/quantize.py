@@ -13,9 +13,12 @@ output.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from selfspec.model import wide_product
+from selfspec.native import gemv
 
 # The activation dtype int8 weights run with: the kernel takes bfloat16 or float32 inputs, and
 # bfloat16 keeps the activations' bytes small too.
@@ -94,13 +97,15 @@ def weight_bytes(hf_model: torch.nn.Module) -> dict[str, int]:
 # -- int4 ---------------------------------------------------------------------------------------
 #
 # int4 weight-only: each decoder-layer weight as 4-bit integers in groups of INT4_GROUP inputs, one
-# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by PyTorch's own CPU
-# kernel (`_weight_int4pack_mm_for_cpu`). A group of 32 with its own minimum and step is exactly
+# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by selfspec's 4-bit kernel
+# (selfspec.native.gemv.int4_linear, the "blocks" layout) where it runs, else by PyTorch's own CPU
+# kernel (`_weight_int4pack_mm_for_cpu`, the "int4pack" layout), which is bound by its arithmetic
+# rather than by the weights' bytes (results/qwen_int4/). A group of 32 with its own minimum and step is exactly
 # the grid of GGUF's Q4_1 blocks, which is what the bundled SmolLM2's layers are stored as, so the
 # int4 model is the GGUF model up to bfloat16 rounding of each block's step and minimum. The LM
 # head goes int8 (one scale per row; the GGUF keeps it 8-bit too) and embeddings stay bfloat16.
 #
-# The kernel's packing is not separable by output rows, so projections that read the same input
+# PyTorch's packing is not separable by output rows, so projections that read the same input
 # (q, k, v; gate, up) are quantized as one fused matrix. The HF modules become slices of it: the
 # first slice called with an input computes the fused product, its siblings reuse it.
 
@@ -108,35 +113,61 @@ INT4_GROUP = 32
 
 
 class Int4Linear(torch.nn.Module):
-    """y = x · Wᵀ (+ bias), W [out, in] stored as packed int4 groups with bfloat16 scale and zero."""
+    """y = x · Wᵀ (+ bias), W [out, in] as 4-bit groups of 32 with a bfloat16 scale and zero each,
+    in one of two layouts (`layout`):
+
+    "blocks": packed [out, in / 32, 16] uint8 and scales_zeros [out, in / 32, 2], selfspec's 4-bit
+    product kernel's (selfspec.native.gemv.int4_linear), where that kernel runs; decode forwards of
+    up to gemv.MAX_ROWS rows stream them once, prefills dequantize them for a GEMM.
+    "int4pack": packed [out, in / 2] uint8 and scales_zeros [in / 32, out, 2], PyTorch's
+    `_weight_int4pack_mm_for_cpu`'s, elsewhere. Both hold the same weights."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.packed = torch.nn.Parameter(packed, requires_grad=False)  # [out, in / 2] uint8
-        self.scales_zeros = torch.nn.Parameter(scales_zeros, requires_grad=False)  # [in / group, out, 2]
+        self.packed = torch.nn.Parameter(packed, requires_grad=False)
+        self.scales_zeros = torch.nn.Parameter(scales_zeros, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.out_features = packed.shape[0]
-        self.in_features = packed.shape[1] * 2
+        self.in_features = packed.shape[1] * (32 if packed.dim() == 3 else 2)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, output) for Int4Slice
 
+    @property
+    def layout(self) -> str:
+        return "blocks" if self.packed.dim() == 3 else "int4pack"
+
     @classmethod
-    def quantize(cls, w: torch.Tensor, dtype: torch.dtype, bias=None, group: int = INT4_GROUP) -> "Int4Linear":
+    def quantize(cls, w: torch.Tensor, dtype: torch.dtype, bias=None, group: int = INT4_GROUP,
+                 layout: str | None = None) -> "Int4Linear":
+        """layout: "blocks" or "int4pack" (see the class); None: $SELFSPEC_INT4_LAYOUT, else
+        "blocks" where selfspec's kernel runs and groups are of 32, else "int4pack"."""
         out, inp = w.shape
         if out % 16 or inp % group:
             raise ValueError(f"int4 needs output sizes divisible by 16 and input sizes by {group}; this model has a "
                              f"{out}x{inp} projection (use --dtype int8)")
+        if layout is None:  # $SELFSPEC_INT4_LAYOUT=int4pack keeps PyTorch's kernel (for A/B)
+            layout = os.environ.get("SELFSPEC_INT4_LAYOUT") or ("blocks" if group == 32 and gemv.available() else "int4pack")
         g = w.detach().float().view(out, inp // group, group)
         low, high = g.amin(-1), g.amax(-1)
         scale = ((high - low) / 15).clamp(min=1e-8).to(dtype)
         zero = (low + 8 * scale.float()).to(dtype)  # (0 - 8)·scale + zero = the group's minimum
-        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15).view(out, inp)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15).to(torch.uint8)
+        bias = None if bias is None else bias.detach().to(dtype)
+        if layout == "blocks":
+            if group != 32:
+                raise ValueError(f"the blocks layout takes groups of 32, not {group}")
+            # byte i of a block: element i in the low nibble, element i + 16 in the high one (GGUF Q4_1's order)
+            return cls(q[..., :16] | (q[..., 16:] << 4), torch.stack([scale, zero], dim=-1).contiguous(), bias)
+        if layout != "int4pack":
+            raise ValueError(f"layout must be 'blocks' or 'int4pack', got {layout!r}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32).contiguous(), 1)
         scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
-        return cls(packed, scales_zeros, None if bias is None else bias.detach().to(dtype))
+        return cls(packed, scales_zeros, bias)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] (a new tensor: for pruned heads and checks, not decoding)."""
+        if self.layout == "blocks":
+            return dequantize_blocks(self.packed, self.scales_zeros).to(self.scales_zeros.dtype)
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.packed.device)
         return int4_linear(eye, self.packed, self.scales_zeros).t().contiguous()
 
@@ -168,10 +199,32 @@ class Int4Slice(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None) -> torch.Tensor:
+def dequantize_blocks(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The reference for the blocks layout: W [out, in] float32, w = (q - 8) · scale + zero."""
+    q = torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8  # [out, in / 32, 32]
+    sz = scales_zeros.float()
+    return (q * sz[..., :1] + sz[..., 1:]).flatten(1)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None,
+                live: int | None = None) -> torch.Tensor:
+    """x [..., in] · Wᵀ (+ bias) for W in either Int4Linear layout. Blocks: forwards of up to
+    gemv.MAX_ROWS rows through selfspec's kernel (only the first `live` rows computed, the rest
+    copies of the last live one: exact mode's padding), more rows as a float32 GEMM of the
+    dequantized weight."""
     shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if packed.dim() == 3:
+        if rows.shape[0] <= gemv.MAX_ROWS and x.dtype == torch.bfloat16 and not gemv.needs_grad(x):
+            live = rows.shape[0] if live is None else live
+            y = gemv.int4_linear(rows[:live], packed, scales_zeros, bias, rows_out=rows.shape[0])
+        else:
+            # A prefill (or float32 rows): each weight on the grid the kernel uses, in float32.
+            w = gemv.int4_dequantize(packed, scales_zeros) if gemv.available() else dequantize_blocks(packed, scales_zeros)
+            y = torch.nn.functional.linear(rows.float(), w, None if bias is None else bias.float()).to(x.dtype)
+        return y.view(*shape[:-1], packed.shape[0])
     group = packed.shape[1] * 2 // scales_zeros.shape[0]
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).contiguous(), packed, group, scales_zeros)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, group, scales_zeros)
     y = y.view(*shape[:-1], packed.shape[0])
     return y if bias is None else y + bias
 

@@ -257,8 +257,12 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scales: tuple, i: int, shape: Shap
         # costs a one-row product.
         return gemv.linear(x[:live], w, bias, scale, rows_out=x.shape[0])
     transposed = shape.transposed
+    if w.dtype == torch.uint8:  # int4: selfspec's 4-bit kernel for decode rows where it runs (quantize.int4_linear)
+        if shape.compiled and w.dim() == 3 and x.shape[0] <= gemv.MAX_ROWS and x.dtype == torch.bfloat16:
+            return torch.ops.selfspec.int4_gemv(x, w, scales[i], bias)
+        return int4_linear(x, w, scales[i], bias, live)
     if scales:
-        return (int4_linear if w.dtype == torch.uint8 else int8_linear)(x, w, scales[i], bias)
+        return int8_linear(x, w, scales[i], bias)
     if transposed:
         return x @ w if bias is None else torch.addmm(bias, x, w)
     return wide_product.linear(x, w, bias)

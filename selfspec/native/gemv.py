@@ -41,8 +41,8 @@ import torch
 MAX_ROWS = 16  # four per pass over the weights (kernels/product.h)
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "gemv.cpp"  # and the fused layer and feature step, all over product.h, in one library
-PARTS = ["layer.cpp", "feature.cpp", "ops.cpp"]  # beside SOURCE; ops.cpp: the torch ops and their checks
-HEADERS = ["product.h", "layer.h", "entry.h"]
+PARTS = ["layer.cpp", "feature.cpp", "quant4.cpp", "ops.cpp"]  # beside SOURCE; ops.cpp: the torch ops and their checks
+HEADERS = ["product.h", "layer.h", "quant4.h", "entry.h"]
 # No contraction or reassociation beyond the kernel's own FMAs: one fixed rounding per row.
 # (cpp_extension adds -fPIC and its C++ standard, which torch's headers need.)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -250,3 +250,39 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: 
 @gemv_op.register_fake
 def _(x, w, bias, scale):
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+# -- 4-bit blocks (kernels/quant4.h) -------------------------------------------------------------
+#
+# W [out, in] as blocks of 32 inputs, q [out, in / 32, 16] uint8 (byte i: element i in its low
+# nibble, i + 16 in its high one) and sz [out, in / 32, 2] bfloat16 (scale, zero), w = (q - 8) ·
+# scale + zero: GGUF Q4_1's grid, laid out by selfspec.model.quantize. The product dequantizes each
+# block once into registers for every row of a pass (eight rows on AVX-512, four on AVX2); each
+# row's result is the same whatever the row count (one fixed order per row, as above).
+
+
+def int4_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None = None,
+                rows_out: int | None = None) -> torch.Tensor:
+    """x [R, in] bfloat16 (R <= MAX_ROWS) · Wᵀ for W as 4-bit blocks (q, sz), plus bias [out]
+    (bfloat16): [R, out] bfloat16, or rows_out rows, the extra ones copies of row R - 1. The op
+    checks every tensor (a wrong one is a RuntimeError)."""
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"the 4-bit product kernel takes 1..{MAX_ROWS} rows, got {x.shape[0]}")
+    return _STATE["lib"].int4_gemv.default(x.contiguous(), q, sz, None if bias is None else bias.contiguous(),
+                                           rows_out)
+
+
+def int4_dequantize(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """W [out, in] float32 from its 4-bit blocks, each weight the value int4_linear uses."""
+    return _STATE["lib"].int4_dequantize.default(q, sz)
+
+
+@torch.library.custom_op("selfspec::int4_gemv", mutates_args=())
+def int4_gemv_op(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`int4_linear` as a custom op, for compiled code (as gemv_op)."""
+    return int4_linear(x, q, sz, bias)
+
+
+@int4_gemv_op.register_fake
+def _(x, q, sz, bias):
+    return x.new_empty(x.shape[0], q.shape[0])

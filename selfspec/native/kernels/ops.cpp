@@ -113,6 +113,43 @@ Tensor gemv(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
     return y;
 }
 
+// W as 4-bit blocks of 32 (quant4.h): q [N, K / 32, 16] uint8, sz [N, K / 32, 2] bfloat16 (scale, zero).
+void check_int4(const Tensor& q, const Tensor& sz, int64_t K) {
+    TORCH_CHECK(q.dim() == 3 && q.size(2) == 16, "q must be [out, in / 32, 16] (4-bit blocks of 32), got ", q.sizes());
+    TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 32, "q's ", q.size(1), " blocks of 32 do not cover ", K, " inputs");
+    check(q, "q", at::kByte, {-1, K / 32, 16});
+    check(sz, "sz (each block's scale and zero)", at::kBFloat16, {q.size(0), K / 32, 2});
+}
+
+Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias,
+                 std::optional<int64_t> rows_out) {
+    TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
+    const int64_t R = x.size(0), K = x.size(1), R_out = rows_out.value_or(R);
+    TORCH_CHECK(1 <= R && R <= kMaxRows, "the 4-bit product kernel takes 1..", kMaxRows, " rows, got ", R);
+    TORCH_CHECK(R <= R_out && R_out <= kMaxRows, "rows_out must be in ", R, "..", kMaxRows, ", got ", R_out);
+    check(x, "x", at::kBFloat16, {R, K});
+    check_int4(q, sz, K);
+    const int64_t N = q.size(0);
+    const void* b = optional_ptr(bias, bias.has_value(), "bias", at::kBFloat16, {N});
+    Tensor y = at::empty({R_out, N}, x.options());
+    const int status = selfspec_int4_gemv((const uint8_t*)q.data_ptr(), (const uint16_t*)sz.data_ptr(),
+                                          (const uint16_t*)x.data_ptr(), (const uint16_t*)b, (uint16_t*)y.data_ptr(),
+                                          N, K, (int)R, (int)R_out, at::get_num_threads(), scratch(R * K));
+    TORCH_CHECK(status == 0, "the 4-bit product kernel refused ", R, " rows (status ", status, ")");
+    return y;
+}
+
+Tensor int4_dequantize(const Tensor& q, const Tensor& sz) {
+    TORCH_CHECK(q.dim() == 3, "q must be [out, in / 32, 16] (4-bit blocks of 32), got ", q.sizes());
+    const int64_t N = q.size(0), K = q.size(1) * 32;
+    check_int4(q, sz, K);
+    Tensor w = at::empty({N, K}, q.options().dtype(at::kFloat));
+    const int status = selfspec_int4_dequantize((const uint8_t*)q.data_ptr(), (const uint16_t*)sz.data_ptr(),
+                                                (float*)w.data_ptr(), N, K, at::get_num_threads());
+    TORCH_CHECK(status == 0, "the 4-bit dequantizer refused a ", N, "x", K, " matrix (status ", status, ")");
+    return w;
+}
+
 // One decoder layer over x [n, hidden] in place (layer.h). weights: wqkv, bqkv, wo, wgu, wd, sqkv,
 // so, sgu, sd, norm_in, norm_attn, norm_ff, norm_post, q_norm, k_norm (entry.h's Weights), None
 // where a layer has none; keys, values: the model's cache [layers, 1, kv_heads, capacity, head_dim].
@@ -248,7 +285,11 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
     m.def("feature_step(Tensor previous, Tensor embedded, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) keys, "
           "Tensor(b!) values, Tensor(c!)? logits, int heads, float eps, float scale, float final_eps, float softcap, "
           "bool final_gemma, int start) -> Tensor");
+    m.def("int4_gemv(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int? rows_out=None) -> Tensor");
+    m.def("int4_dequantize(Tensor q, Tensor sz) -> Tensor");
     m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
+    m.impl("int4_gemv", c10::DispatchKey::CPU, TORCH_FN(int4_gemv));
+    m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(int4_dequantize));
     m.impl("fused_layer", c10::DispatchKey::CPU, TORCH_FN(fused_layer));
     m.impl("feature_step", c10::DispatchKey::CPU, TORCH_FN(feature_step));
 }

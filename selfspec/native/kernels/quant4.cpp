@@ -1,0 +1,13 @@
+// selfspec's 4-bit few-row products behind the ops selfspec::int4_gemv and int4_dequantize
+// (ops.cpp checks the tensors; see quant4.h and selfspec/native/gemv.py).
+#include "entry.h"
+#include "quant4.h"
+
+int selfspec_int4_gemv(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* y,
+                       long N, long K, int R, int R_out, int threads, float* scratch) {
+    return int4::product(Q, S, x, bias, y, N, K, R, R_out, threads, scratch);
+}
+
+int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, float* W, long N, long K, int threads) {
+    return int4::dequantize(Q, S, W, N, K, threads);
+}

@@ -1,0 +1,96 @@
+"""The 4-bit few-row product kernel (selfspec.native.gemv.int4_linear, kernels/quant4.h): the
+values of its Python reference (dequantize, then a float32 product), each row's result the same
+whatever the rows and threads beside it (exact mode and greedy identity rely on it), and a wrong
+call refused with a RuntimeError."""
+
+import pytest
+import torch
+
+from selfspec.model.quantize import Int4Linear, dequantize_blocks, int4_linear
+from selfspec.native import gemv
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: int4 keeps PyTorch's kernel")
+
+
+def _blocks(out_features, in_features, seed=0):
+    """Random 4-bit blocks (any output size: the kernel's tails), as an Int4Linear."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (out_features, in_features // 32, 16), generator=g, dtype=torch.uint8)
+    scale = torch.rand(out_features, in_features // 32, generator=g) * 0.01
+    zero = torch.randn(out_features, in_features // 32, generator=g) * 0.02
+    return Int4Linear(q, torch.stack([scale, zero], -1).bfloat16(), None), g
+
+
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (20, 96), (16, 1536)])  # N % 16 and % 4 tails
+def test_values_match_the_dequantized_float32_product(out_features, in_features, path):
+    linear, g = _blocks(out_features, in_features)
+    q, sz = linear.packed, linear.scales_zeros
+    w = dequantize_blocks(q, sz)
+    torch.testing.assert_close(gemv.int4_dequantize(q, sz), w, atol=1e-6, rtol=1e-6)  # one FMA against two roundings
+    x = torch.randn(gemv.MAX_ROWS, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16):
+        got = gemv.int4_linear(x[:rows], q, sz, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        want = x[:rows].float() @ w.t() + bias.float()
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+        padded = gemv.int4_linear(x[:rows], q, sz, bias, rows_out=gemv.MAX_ROWS)  # exact mode's bucket
+        assert torch.equal(padded[:rows], got) and torch.equal(padded[rows:], got[-1:].expand(16 - rows, -1))
+
+
+def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it(path):
+    linear, g = _blocks(200, 576, seed=1)
+    x = torch.randn(gemv.MAX_ROWS, 576, generator=g).bfloat16()
+    together = gemv.int4_linear(x, linear.packed, linear.scales_zeros)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(gemv.MAX_ROWS):
+                assert torch.equal(gemv.int4_linear(x[r:r + 1], linear.packed, linear.scales_zeros)[0], together[r])
+            for rows in (2, 3, 4, 7, 8, 9):
+                part = gemv.int4_linear(x[:rows], linear.packed, linear.scales_zeros)
+                assert torch.equal(part, together[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_both_layouts_hold_the_same_weights():
+    w = torch.randn(32, 128) * 0.05
+    blocks = Int4Linear.quantize(w, torch.bfloat16, layout="blocks")
+    packed = Int4Linear.quantize(w, torch.bfloat16, layout="int4pack")
+    assert blocks.layout == "blocks" and packed.layout == "int4pack"
+    assert blocks.in_features == packed.in_features == 128 and blocks.out_features == packed.out_features == 32
+    torch.testing.assert_close(blocks.weight.float(), packed.weight.float(), atol=0, rtol=0.01)
+    x = torch.randn(3, 128).bfloat16()
+    decode = int4_linear(x, blocks.packed, blocks.scales_zeros)  # the kernel
+    prefill = int4_linear(x.repeat(20, 1), blocks.packed, blocks.scales_zeros)[:3]  # 60 rows: a float32 GEMM
+    torch.testing.assert_close(decode.float(), prefill.float(), atol=0.02, rtol=0.01)
+    torch.testing.assert_close(decode.float(), packed(x).float(), atol=0.02, rtol=0.02)
+
+
+def test_a_wrong_call_is_a_runtime_error():
+    linear, _ = _blocks(48, 64)
+    ops = gemv._STATE["lib"]
+    q, sz, x = linear.packed, linear.scales_zeros, torch.randn(2, 64).bfloat16()
+    assert ops.int4_gemv(x, q, sz, None, None).shape == (2, 48)
+    wrong = [
+        dict(x=torch.randn(2, 96).bfloat16()),                  # inner sizes differ
+        dict(x=torch.randn(2, 64)),                             # float32 x
+        dict(x=torch.randn(17, 64).bfloat16()),                 # more rows than the kernel takes
+        dict(x=torch.randn(2, 128).bfloat16()[:, ::2]),         # not contiguous
+        dict(q=q.view(48, 32 * 2 // 2 * 1, 1).expand(48, 32, 1).contiguous()),  # not [out, in / 32, 16]
+        dict(q=q.to(torch.int8)),                               # wrong dtype
+        dict(sz=sz.float()),                                    # float32 scales
+        dict(sz=sz[:24].contiguous()),                          # fewer outputs than q
+        dict(bias=torch.randn(47).bfloat16()),                  # wrong bias size
+        dict(rows_out=1),                                       # fewer rows out than in
+    ]
+    for change in wrong:
+        args = dict(x=x, q=q, sz=sz, bias=None, rows_out=None) | change
+        with pytest.raises(RuntimeError):
+            ops.int4_gemv(**args)
+    with pytest.raises(RuntimeError):
+        ops.int4_dequantize(q, sz[:, :1].contiguous())
+    with pytest.raises(RuntimeError):
+        ops.int4_dequantize(q.view(48, 64), sz)
