@@ -75,7 +75,8 @@ def _default(action: argparse.Action) -> str:
         return ""
     if isinstance(d, list):
         return "" if not d else " ".join(map(str, d))
-    if isinstance(action, argparse._StoreTrueAction) and d is False:
+    if (isinstance(action, argparse._StoreTrueAction) and d is False
+            or isinstance(action, argparse._StoreFalseAction) and d is True):  # a bare switch: off, or on
         return ""
     return f"`{d}`"
 

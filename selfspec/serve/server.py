@@ -7,7 +7,8 @@ response or as server-sent events. All tokenizer use stays on the loop's thread 
 tokenizers are not safe to share between threads). A client that goes away cancels its request,
 which frees its row at the next step, and so does the server's wall-time limit per request; a full
 queue answers 503 with Retry-After. Every request that got a row leaves one line in the access log
-(logger `selfspec.access`) when its row is freed.
+(logger `selfspec.access`) when its row is freed. GET / is a page over this same API that shows
+where each token came from (static/; the stream's trace: selfspec.serve.trace).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import logging
 import secrets
 import threading
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -31,12 +34,14 @@ from selfspec.serve import metrics
 from selfspec.api import Detokenizer, SelfSpecModel
 from selfspec.core.batch import QueueFull, Request, Scheduler
 from selfspec.serve.openai_schema import ChatRequest, CompletionRequest, Reply, error_body
+from selfspec.serve.trace import Trace
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (OpenAI's own default is the context's room)
 DEFAULT_MAX_REQUEST_S = 600.0  # generous: SmolLM2's 2048-token context on 2 busy cores takes minutes
 DEFAULT_STALL_S = 120.0  # /health fails when rows are active and no step has ended for this long
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
+STATIC = Path(__file__).parent / "static"  # the page at / (index.html, app.js, style.css)
 access_log = logging.getLogger("selfspec.access")
 log = logging.getLogger("selfspec.serve.server")
 
@@ -187,11 +192,12 @@ class Job:
 
     _END = object()
 
-    def __init__(self, server: Server, route: str, reply: Reply, stop: list[str]):
+    def __init__(self, server: Server, route: str, reply: Reply, stop: list[str], trace: bool = False):
         self.server, self.route, self.id = server, route, reply.id
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = Detokenizer(server.model.tokenizer, stop)
+        self.trace = Trace(server.model.tokenizer) if trace and server.model.tokenizer is not None else None
         self.error: BaseException | None = None
         self.max_tokens = 0
         self.request: Request | None = None
@@ -218,16 +224,21 @@ class Job:
     async def deltas(self):
         """Text to send, as it becomes safe to show; ends at the end of the generation or at a stop
         string (which cancels the request's row)."""
+        async for delta, _ in self.rounds():
+            if delta:
+                yield delta
+
+    async def rounds(self):
+        """(text now safe to show, possibly "", the round it came with) per verify round, then
+        (the text held back to the end, None); ends as `deltas` does."""
         while True:
             item = await self.queue.get()
             if item is self._END:
                 rest = self.text.finish() if self.error is None else ""
                 if rest:
-                    yield rest
+                    yield rest, None
                 return
-            delta = self.text.feed(item)
-            if delta:
-                yield delta
+            yield self.text.feed(item), item
             if self.text.stopped:
                 self.request.cancel()
                 return
@@ -250,8 +261,8 @@ class Job:
         return "error" if self.error is not None else self.finish_reason
 
 
-def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
-    """The FastAPI app serving `model`; options: see Server."""
+def create_app(model: SelfSpecModel, ui: bool = True, **server_options) -> FastAPI:
+    """The FastAPI app serving `model`; ui: the page at / (static/, over the API); options: see Server."""
     server = Server(model, **server_options)
 
     @contextlib.asynccontextmanager
@@ -287,6 +298,13 @@ def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
     if server.api_key:
         app.add_middleware(_ApiKey, key=server.api_key)
 
+    if ui:  # static files only: the page asks for the API key itself, and the API checks it
+        app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
+
+        @app.get("/", include_in_schema=False)
+        async def page():
+            return FileResponse(STATIC / "index.html")
+
     @app.get("/health")
     async def health():
         ok, body = server.health()
@@ -315,14 +333,15 @@ def create_app(model: SelfSpecModel, **server_options) -> FastAPI:
 
 
 class _ApiKey:
-    """Refuses every route but /health without 'Authorization: Bearer KEY'. Plain ASGI rather than
-    @app.middleware("http"), whose wrapping of `receive` hides a client's disconnect from the route."""
+    """Refuses every route but /health and the page's static files without 'Authorization: Bearer
+    KEY'. Plain ASGI rather than @app.middleware("http"), whose wrapping of `receive` hides a
+    client's disconnect from the route."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/") and not scope["path"].startswith("/ui/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 refusal = JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -344,7 +363,9 @@ async def _complete(server: Server, body, http: HttpRequest, chat: bool):
     server.check(body)
     ids = server.encode(body)
     reply = Reply(chat, server.name)
-    job = Job(server, http.url.path, reply, body.stop)
+    # The trace is a streaming option, as include_usage is (selfspec.serve.trace).
+    trace = body.stream and bool((body.stream_options or {}).get("selfspec_trace"))
+    job = Job(server, http.url.path, reply, body.stop, trace=trace)
     request = server.submit(body, ids, job)
     if body.stream:
         return StreamingResponse(_events(job, request, reply, body), media_type="text/event-stream")
@@ -373,8 +394,17 @@ async def _events(job: Job, request: Request, reply: Reply, body):
     try:
         if reply.chat:
             yield _sse(reply.chunk(None, first=True))
-        async for delta in job.deltas():
-            yield _sse(reply.chunk(delta))
+        if job.trace is None:
+            async for delta in job.deltas():
+                yield _sse(reply.chunk(delta))
+        else:  # a chunk per round, text or not, each with the trace (selfspec.serve.trace)
+            async for delta, round_ in job.rounds():
+                described = None if round_ is None else job.trace.add(round_)  # before cutting its text
+                chunk = reply.chunk(delta or None)
+                chunk["selfspec"] = {"tokens": job.trace.cut(delta)}
+                if described is not None:
+                    chunk["selfspec"]["round"] = described
+                yield _sse(chunk)
         if job.error is not None:
             yield _sse(error_body(f"generation failed: {job.error}", "server_error"))
         else:
