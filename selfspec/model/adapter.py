@@ -268,7 +268,7 @@ class ModelAdapter:
             raise ValueError(f"{h.shape[0]} rows need as many starts and caches, got {len(starts)} and {len(caches)}")
         rows = _Rows(list(starts), list(caches))
         for i in layers:
-            h = self._layer(i, h, rows, None, None, True, NO_SKIP, True, None)
+            h = self._layer(i, h, rows, None, None, True, NO_SKIP, True, NO_HOOKS)
             for b, (start, cache) in enumerate(zip(rows.starts, rows.caches)):
                 if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache)
                     cache.write_exit_states(start, h[b])
