@@ -34,6 +34,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 import selfspec
+from selfspec import Speculation
 from selfspec.tools.bench import load_prompts
 from selfspec.serve.server import create_app
 
@@ -75,7 +76,7 @@ def main() -> int:
 
 
 def _server_options(model, method: str, args) -> dict:
-    return dict(max_batch=args.max_batch, max_queue=args.clients * args.requests, options={"method": method},
+    return dict(max_batch=args.max_batch, max_queue=args.clients * args.requests, speculation=Speculation(method),
                 served_name=model.name)
 
 

@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     import selfspec
+    from selfspec import Speculation
     from selfspec.serve.server import create_app
 
     model = selfspec.load(args.model, progress=False)
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
 
     logging.getLogger("selfspec.access").addHandler(Count())
     logging.getLogger("selfspec.access").setLevel(logging.INFO)
-    app = create_app(model, max_batch=args.max_batch, max_queue=args.max_queue, options={"method": args.method},
+    app = create_app(model, max_batch=args.max_batch, max_queue=args.max_queue, speculation=Speculation(args.method),
                      max_request_seconds=args.max_request_seconds)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

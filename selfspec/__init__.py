@@ -8,8 +8,9 @@ early exit at layer k among them, are in selfspec.drafters."""
 
 from selfspec.api import Chunk, Generation, SelfSpecModel, Stream, load
 from selfspec.core.sampling import SamplingParams
+from selfspec.core.speculation import Speculation
 from selfspec.core.stats import GenerationStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Chunk", "Generation", "GenerationStats", "SamplingParams", "SelfSpecModel", "Stream", "load"]
+__all__ = ["Chunk", "Generation", "GenerationStats", "SamplingParams", "SelfSpecModel", "Speculation", "Stream", "load"]

@@ -2,7 +2,8 @@
 
     import selfspec
     model = selfspec.load()                       # SmolLM2-135M-Instruct, bundled
-    result = model.generate("Why is the sky blue?", exit_layer=26, draft_len=4)
+    result = model.generate("Why is the sky blue?", method="lookup", draft_len=3)
+    result = model.generate("Why is the sky blue?", speculation=selfspec.Speculation("early-exit", exit_layer=26))
     print(result.text, result.stats.summary())
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -18,12 +20,12 @@ from selfspec.native import gemv
 from selfspec.model.adapter import ModelAdapter
 from selfspec.drafters import Drafter, make_drafter
 from selfspec.core.engine import check_length, decode
-from selfspec.heads.exit_adapter import adapter_exit_layer
+from selfspec.core.speculation import AUTO, TAKES, Resolved, Speculation
+from selfspec.heads.exit_adapter import DISABLED, adapter_exit_layer
 from selfspec.model.loading import LoadedModel, load_hf
 from selfspec.model.profiles import ENGINE, TUNE_SECTION, ModelIdentity, load_profile, runs_here, shipped_choice
 from selfspec.model.quantize import ACTIVATION_DTYPE, quantize_int4, quantize_int8
 from selfspec.core.sampling import SamplingParams
-from selfspec.model.skips import SkipSet
 from selfspec.core.stats import GenerationStats
 from selfspec.model.step import unsupported_reason
 
@@ -137,21 +139,9 @@ class SelfSpecModel:
         self,
         prompt: str | Sequence[int],
         *,
-        fresh_drafter: bool = False,
-        method: str = "auto",
-        exit_layer: int | None = None,
-        draft_len: int | None = None,
-        threshold: float | None = None,
-        skip: SkipSet | str | None = None,
-        skip_ratio: float | None = None,
-        every: int | None = None,
-        ngram: int | None = None,
-        profile: str | None = None,
-        exit_adapter: str | bool | None = None,
-        draft_vocab: int | None = None,
-        experts: int | None = None,
-        siblings: int | None = None,
+        speculation: Speculation | None = None,
         drafter: Drafter | None = None,
+        fresh_drafter: bool = False,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -159,58 +149,33 @@ class SelfSpecModel:
         seed: int | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
+        **options,
     ) -> Prepared:
         """Check a generation's arguments and resolve them (tokens, drafter, sampling), before any
         model work; `stream`, `generate` and the server take the same options.
 
-        method: a drafter name (see selfspec.drafters.METHODS), or "auto" (the default): the
-        configuration `selfspec tune` chose for this model, else early exit. Its knobs, None meaning the
-        drafter's default: exit_layer k (early-exit, hybrid), draft_len γ (the most tokens per
-        round for adaptive drafters), threshold (confidence stop on the draft's top-1
-        probability), skip (layer-skip's sublayers, a SkipSet or 'attn:1,3 mlp:2-5'), skip_ratio
-        (share of sublayers SWIFT, CLaSp and ConfLayers skip), every (rounds between CLaSp and
-        ConfLayers re-optimisations; SWIFT's Bayesian-proposal interval), ngram (lookup's longest
-        n-gram), profile (a profile file instead of this model's saved one), exit_adapter (early
-        exit's trained exit adapter from `selfspec calibrate`: None uses the profile's when its k
-        is the one asked, and without a k asked makes its k the default; a path uses that file;
-        False or "none" uses none), draft_vocab (early exit drafts with a head pruned to the N most
-        frequent tokens of the ranking `selfspec calibrate` saved; None: the full head; output is
-        unchanged either way), experts (expert-subset's routed experts per token in each MoE layer of
-        the draft, default 1; its exit_layer defaults to the full depth), siblings (the feature head's
-        m likeliest first tokens as alternatives verified in one forward, instead of a chain:
-        feature 1, i.e. none, by default; hybrid's fallback DEFAULT_SIBLINGS where the CPU has AMX,
-        else 1). drafter: a drafter instance to use instead (its state carries
-        over between calls). fresh_drafter: a new drafter instance even if one with the same
-        options exists (the server: each concurrent request needs its own).
+        speculation: the method and its options (selfspec.core.speculation.Speculation, which says
+        what each option means), or the same as keywords: method="lookup", draft_len=3, ... (not
+        both). The method "auto" (the default) runs what `selfspec tune` chose for this model on
+        this machine, else the choice shipped for it (selfspec/data/shipped_profiles.json) where one
+        was measured faster than plain decoding here, else plain decoding (see `tuned`).
+        drafter: a drafter instance to use instead (its state carries over between calls).
+        fresh_drafter: a new drafter instance even if one for the same speculation exists (the
+        server: each concurrent request needs its own).
         """
+        if speculation is None:
+            speculation = Speculation.from_options(**options)
+        elif options:
+            raise TypeError(f"give speculation= or its options as keywords ({', '.join(options)}), not both")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if method == "auto" and drafter is None:
-            method, exit_layer, draft_len = self.tuned(profile, exit_layer, draft_len)
-        if self.adapter.exact and draft_len is None and drafter is None:
-            draft_len = EXACT_ROWS - 1  # the most the exact mode's row bucket holds after the pending token
-        saved = load_profile(self.identity, profile)
-        asked_exit_layer = exit_layer  # before early exit's default: expert-subset's own is the full depth
-        if exit_layer is None:
-            exit_layer = adapter_exit_layer(exit_adapter, saved) or self.default_exit_layer()
-        if not 1 <= exit_layer <= self.n_layers:
-            raise ValueError(f"exit layer must be in 1..{self.n_layers} for {self.name}, got {exit_layer}")
-        if isinstance(skip, str):
-            skip = SkipSet.parse(skip)
-        if skip is not None:
-            skip.check(self.n_layers)
         if drafter is None:
-            options = dict(exit_layer=exit_layer, draft_len=draft_len, threshold=threshold, skip=skip,
-                           skip_ratio=skip_ratio, every=every, ngram=ngram, profile=profile,
-                           exit_adapter=exit_adapter, draft_vocab=draft_vocab, experts=experts,
-                           siblings=siblings, asked_exit_layer=asked_exit_layer)
-            key = (method, *options.items())
-            options = {**options, "profile": saved, "identity": self.identity}
+            resolved = self.resolve(speculation)
             if fresh_drafter:
-                drafter = make_drafter(method, **options)
+                drafter = make_drafter(resolved)
             else:
-                if key not in self._drafters:
-                    self._drafters[key] = make_drafter(method, **options)
-                drafter = self._drafters[key]
+                if resolved not in self._drafters:
+                    self._drafters[resolved] = make_drafter(resolved)
+                drafter = self._drafters[resolved]
         ids = self.encode(prompt, chat)
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         if stop and self.tokenizer is None:
@@ -220,6 +185,37 @@ class SelfSpecModel:
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
         return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids)
+
+    def resolve(self, speculation: Speculation) -> Resolved:
+        """The speculation made concrete for this model on this machine, checked once, before the
+        registry builds its drafter: auto becomes the tuned or shipped choice (options its method
+        does not take are dropped), γ defaults to what exact mode's row bucket holds, k is checked
+        against the depth and filled in where the draft exits at a layer (the profile's exit
+        adapter's or context head's k, else `default_exit_layer`), the profile is read, files named
+        must exist, and hybrid's fallback and siblings are chosen (from the profile, the feature
+        head's presence and the CPU's kernel path)."""
+        s = speculation
+        if s.method == AUTO:
+            method, k, g = self.tuned(s.profile, s.exit_layer, s.draft_len)
+            s = Speculation.relevant(method, **{**s.options(), "exit_layer": k, "draft_len": g})
+        if self.adapter.exact and s.draft_len is None and "draft_len" in TAKES[s.method]:
+            s = replace(s, draft_len=EXACT_ROWS - 1)  # the most the exact mode's row bucket holds after the pending token
+        s.validate(self.n_layers)
+        if self.adapter.exact and s.draft_len is not None:
+            check_exact_draft(s.draft_len)
+        saved = load_profile(self.identity, s.profile)
+        if s.exit_adapter is not None and s.exit_adapter not in DISABLED and not Path(s.exit_adapter).expanduser().is_file():
+            raise FileNotFoundError(f"no exit adapter at {s.exit_adapter}")
+        fallback = None
+        if s.method == "hybrid":
+            fallback = ("layer-skip" if s.skip or saved.get("layer-skip") else
+                        "feature" if s.exit_layer is None and has_feature_head(saved, self.identity) else "early-exit")
+            if fallback == "feature":
+                s = replace(s, siblings=default_siblings(s.siblings))
+        if s.exit_layer is None and (s.method in ("early-exit", "saguaro") or fallback == "early-exit"):
+            s = replace(s, exit_layer=adapter_exit_layer(s.exit_adapter, saved) or self.default_exit_layer())
+            s.validate(self.n_layers)
+        return Resolved(s, self.identity, fallback, saved)
 
     def stream(self, prompt: str | Sequence[int], **options) -> Stream:
         """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
@@ -449,6 +445,26 @@ def load(
         exact = default_exact(name)
     return SelfSpecModel(loaded.model, loaded.tokenizer, loaded.name, lean=lean, compile=compile and lean,
                          exact=exact and lean, dtype_name=name)
+
+
+DEFAULT_SIBLINGS = 2  # hybrid's feature fallback on CPUs with AMX: its two likeliest tokens as siblings
+
+
+def default_siblings(asked: int | None = None) -> int:
+    """Alternatives hybrid's feature fallback drafts (Draft.siblings): `asked` if given, else DEFAULT_SIBLINGS where the
+    products run on AMX, whose 3-row verify costs ~1.07 steps (2-core Intel Xeon: the hybrid
+    1.24x -> 1.28x AR on the benchmark prompts, 1.53x -> 1.57x on tune's; README "Siblings"), else
+    1 (a chain: the pair products' 3-row verify costs 1.17-1.27 steps, unmeasured with siblings)."""
+    if asked:
+        return asked
+    return DEFAULT_SIBLINGS if gemv.kernel_path() == "amx" and gemv.available() else 1
+
+
+def has_feature_head(profile: dict, identity: ModelIdentity) -> bool:
+    """Whether the model has a feature head: its profile names one, or one is shipped for it."""
+    from selfspec.heads.feature_head import SECTION, shipped_path
+
+    return bool(profile.get(SECTION) or shipped_path(identity).is_file())
 
 
 def check_exact_draft(draft_len: int) -> None:

@@ -7,6 +7,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+from selfspec import Speculation
 from selfspec.tools import bench
 from selfspec.model.cache import KVCache
 from selfspec.tools.memory import MIB, MemoryUse, peak_memory
@@ -36,8 +37,8 @@ def test_kv_cache_bytes_is_the_one_preallocated_cache(tiny):
     cache = KVCache(3, 2, 4, 10, dtype=torch.float32, device="cpu")
     assert cache.nbytes == cache.keys.nbytes + cache.values.nbytes
     model, n = tiny("llama"), 6
-    for method, gamma in (("ar", 0), ("early-exit", 3)):
-        stats = model.generate(PROMPT, method=method, exit_layer=2, draft_len=3, max_new_tokens=n).stats
+    for spec, gamma in ((Speculation("ar"), 0), (Speculation("early-exit", exit_layer=2, draft_len=3), 3)):
+        stats = model.generate(PROMPT, speculation=spec, max_new_tokens=n).stats
         scratch = model.adapter.step is not None  # the lean step's slot for padding rows
         assert stats.kv_cache_bytes == (len(PROMPT) + n + gamma + 1 + scratch) * PER_POSITION
 
@@ -87,7 +88,8 @@ def test_a_transformers_method_that_fails_is_dropped_with_a_note(tiny, capsys):
     assert bench.warm_up(model, [good, bad], torch.tensor(PROMPT), 4) == [good]
     assert "dropping impossible" in capsys.readouterr().err
     with pytest.raises(ValueError):  # ours never fail quietly
-        bench.warm_up(model, [bench.Method("ours", "early-exit", exit_layer=99)], torch.tensor(PROMPT), 4)
+        ours = bench.Method("ours", "early-exit", Speculation("early-exit", exit_layer=99))
+        bench.warm_up(model, [ours], torch.tensor(PROMPT), 4)
 
 
 def test_tally_keeps_the_most_memory_over_prompts():
@@ -127,14 +129,14 @@ def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
     shipped = {"method": "lookup", "exit_layer": None, "draft_len": 3, "measured": "1.4x"}
     monkeypatch.setattr("selfspec.api.shipped_choice", lambda identity, dtype, device="cpu": shipped)
     (auto,) = methods(["auto"])
-    assert (auto.label, auto.method, auto.draft_len) == ("auto (shipped: lookup γ=3)", "lookup", 3)
+    assert (auto.label, auto.method, auto.speculation.draft_len) == ("auto (shipped: lookup γ=3)", "lookup", 3)
     assert [m.label for m in methods(["all"])][0] == "early-exit k=4 γ=4"  # no tune: no auto row
     save_section(model.identity, "tune", {"method": "early-exit", "exit_layer": 2, "draft_len": 3})
     auto, early = methods(["auto,early-exit"])
-    assert (auto.label, auto.method, auto.exit_layer, auto.draft_len) == ("auto (tuned: early-exit k=2 γ=3)",
+    assert (auto.label, auto.method, auto.exit_layer, auto.speculation.draft_len) == ("auto (tuned: early-exit k=2 γ=3)",
                                                                           "early-exit", 2, 3)
-    assert (early.label, early.exit_layer, early.draft_len) == ("early-exit k=2 γ=3 (tuned)", 2, 3)
-    assert [(m.exit_layer, m.draft_len) for m in methods(["early-exit"], [5], [1])] == [(5, 1)]  # asked wins
+    assert (early.label, early.exit_layer, early.speculation.draft_len) == ("early-exit k=2 γ=3 (tuned)", 2, 3)
+    assert [(m.exit_layer, m.speculation.draft_len) for m in methods(["early-exit"], [5], [1])] == [(5, 1)]  # asked wins
     save_section(model.identity, "tune", {"method": "lookup", "exit_layer": None, "draft_len": 6})
     assert methods(["all"])[0].label == "auto (tuned: lookup γ=6)"
 

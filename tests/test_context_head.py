@@ -35,6 +35,7 @@ from selfspec.heads.context_head import (
     save_context_head,
 )
 from selfspec.heads.draft_head import PrunedHead
+from selfspec.core.speculation import Resolved, Speculation
 from selfspec.drafters import EarlyExit, make_drafter
 from selfspec.core.engine import Decoding, verify_rows
 from selfspec.heads.exit_adapter import ExitAdapter, save_exit_adapter
@@ -260,7 +261,7 @@ def test_calibrate_saves_and_early_exit_finds_the_head(tiny, tmp_path, monkeypat
     assert "| 2 |" in result.table() and json.loads(json.dumps(result.to_json()))["best_exit_layer"] == 2
 
     def drafter(method="early-exit", **options):
-        return make_drafter(method, **{"exit_layer": None, "profile": profile, "identity": model.identity, **options})
+        return make_drafter(Resolved(Speculation(method, **options), model.identity, profile=profile))
 
     assert isinstance(drafter().exit_adapter, ContextHead) and drafter().exit_layer == 2
     assert drafter().threshold == 0.6 and drafter(threshold=0.3).threshold == 0.3

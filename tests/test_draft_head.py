@@ -12,6 +12,7 @@ from selfspec.tools.calibrate import calibrate, save
 from selfspec.heads.draft_head import (SECTION, PrunedHead, count_tokens, coverage, load_ranking, rank_tokens,
                                  read_header, save_ranking)
 from selfspec.drafters import EarlyExit, make_drafter
+from selfspec import Speculation
 from selfspec.model.profiles import ModelIdentity, ProfileMismatchError, load_profile
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.verifier import rejection_sample
@@ -139,10 +140,10 @@ def test_calibrate_ranks_prompts_and_outputs_and_generate_finds_it(tiny, tmp_pat
     save(result, model.identity)
     profile = load_profile(model.identity)
     assert load_ranking(profile[SECTION]["path"], model.identity).tolist() == rank_tokens(result.token_counts).tolist()
-    drafter = make_drafter("early-exit", exit_layer=3, draft_vocab=16, profile=profile, identity=model.identity)
+    drafter = make_drafter(model.resolve(Speculation("early-exit", exit_layer=3, draft_vocab=16)))
     assert drafter.draft_vocab == 16 and torch.equal(drafter.ranking, rank_tokens(result.token_counts))
     with pytest.raises(ValueError, match=">= 1"):
-        make_drafter("early-exit", exit_layer=3, draft_vocab=0, profile=profile, identity=model.identity)
+        Speculation("early-exit", exit_layer=3, draft_vocab=0)
     assert_greedy_lossless(model, method="early-exit", exit_layer=3, draft_vocab=16)  # found via the profile
 
 

@@ -72,8 +72,8 @@ def test_eos_stops_and_is_not_returned(tiny):
     first = ar.index(eos)
     model.hf_model.generation_config.eos_token_id = eos
     try:
-        for method, k in (("ar", None), ("early-exit", 2), ("early-exit", 6)):
-            out = model.generate(PROMPT, method=method, exit_layer=k, draft_len=5, max_new_tokens=30)
+        for method, k, g in (("ar", None, None), ("early-exit", 2, 5), ("early-exit", 6, 5)):
+            out = model.generate(PROMPT, method=method, exit_layer=k, draft_len=g, max_new_tokens=30)
             assert out.tokens == ar[:first]
     finally:
         model.hf_model.generation_config.eos_token_id = None

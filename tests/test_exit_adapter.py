@@ -11,6 +11,7 @@ import torch
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
 from selfspec.tools.calibrate import (Sequence, calibrate, distill_loss, save, self_distillation, teacher_force,
                                 train_exit_adapter)
+from selfspec.core.speculation import Resolved, Speculation
 from selfspec.drafters import EarlyExit, make_drafter
 from selfspec.heads.exit_adapter import (SECTION, ExitAdapter, default_path, load_exit_adapter, read_header,
                                    save_exit_adapter)
@@ -101,8 +102,7 @@ def test_the_profile_points_generate_at_the_adapter(tiny, tmp_path, monkeypatch)
     profile = load_profile(model.identity)
 
     def drafter(**options):
-        return make_drafter("early-exit", **{"exit_layer": None, "profile": profile, "identity": model.identity,
-                                             **options})
+        return make_drafter(Resolved(Speculation("early-exit", **options), model.identity, profile=profile))
 
     assert drafter().exit_layer == 2 and drafter().exit_adapter is not None  # k None: the adapter's k
     assert drafter(exit_layer=2).exit_adapter is not None
@@ -111,7 +111,7 @@ def test_the_profile_points_generate_at_the_adapter(tiny, tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="trained for k=2"):
         drafter(exit_layer=3, exit_adapter=str(path))
     with pytest.raises(ValueError, match="identity"):
-        make_drafter("early-exit", exit_layer=2, exit_adapter=str(path))
+        make_drafter(Resolved(Speculation("early-exit", exit_layer=2, exit_adapter=str(path))))
 
     out = assert_greedy_lossless(model, method="early-exit")  # k from the adapter, found via the profile
     assert out.stats.exit_layer == 2

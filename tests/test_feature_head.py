@@ -8,6 +8,7 @@ import torch
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
 
 from selfspec.tools.calibrate import held_out_prompts
+from selfspec import Speculation
 from selfspec.drafters import make_drafter
 from selfspec.drafters.feature import FeatureDraft
 from selfspec.tools.feature_calibrate import _teacher_forced, drafted_runs, feature_data, train_feature_head
@@ -68,10 +69,10 @@ def test_method_feature_finds_the_profiles_head_or_says_what_to_run(tiny, tmp_pa
         profile = load_profile(model.identity)
         head, ids, found = feature_head_for(profile, model.identity)
         assert found == path and ids.numel() == 40
-        drafter = make_drafter("feature", draft_len=2, draft_vocab=10, profile=profile, identity=model.identity)
+        drafter = make_drafter(model.resolve(Speculation("feature", draft_len=2, draft_vocab=10)))
         assert drafter.draft_len == 2 and drafter.draft_ids.numel() == 10
         with pytest.raises(ValueError, match="draft_vocab must be in 1..40"):
-            make_drafter("feature", draft_vocab=41, profile=profile, identity=model.identity)
+            make_drafter(model.resolve(Speculation("feature", draft_vocab=41)))
         out = assert_greedy_lossless(model, method="feature", draft_len=3)
         assert out.stats.drafted > 0
     finally:
@@ -246,7 +247,7 @@ def test_hybrid_falls_back_to_the_feature_head_ungated_unless_a_k_is_asked(tiny,
     save_section(model.identity, SECTION, {"path": str(path)})
     try:
         profile = load_profile(model.identity)
-        hybrid = make_drafter("hybrid", draft_len=3, profile=profile, identity=model.identity)
+        hybrid = make_drafter(model.resolve(Speculation("hybrid", draft_len=3)))
         assert isinstance(hybrid.fallback, FeatureDraft) and hybrid.fallback.draft_len == 1
         assert hybrid.gates is None and hybrid.lookup.min_ngram == FEATURE_MIN_NGRAM and hybrid.draft_len == 3
         for prompt in (REPETITIVE, PROMPT):
@@ -255,12 +256,11 @@ def test_hybrid_falls_back_to_the_feature_head_ungated_unless_a_k_is_asked(tiny,
         assert hybrid.lookup_rounds > 0 and hybrid.model_rounds > 0  # both sources drafted
         out = assert_greedy_lossless(model, REPETITIVE, method="hybrid", draft_len=3)  # by name, as auto runs it
         assert out.stats.drafted > 0
-        asked = make_drafter("hybrid", draft_len=3, exit_layer=2, asked_exit_layer=2, profile=profile,
-                             identity=model.identity)
+        asked = make_drafter(model.resolve(Speculation("hybrid", draft_len=3, exit_layer=2)))
         assert isinstance(asked.fallback, EarlyExit) and asked.gates is not None
     finally:
         save_section(model.identity, SECTION, {})
-    assert isinstance(make_drafter("hybrid", draft_len=3, exit_layer=2, profile={}, identity=model.identity).fallback,
+    assert isinstance(make_drafter(model.resolve(Speculation("hybrid", draft_len=3, exit_layer=2))).fallback,
                       EarlyExit)  # no head: early exit, as before
 
 

@@ -137,7 +137,7 @@ def test_bench_all_includes_expert_subset_only_for_moe(tiny):
     args = SimpleNamespace(method=["all"], exit_layer=None, draft_len=None, draft_vocab=None, experts=None)
     assert "expert-subset" not in [m.method for m in _methods(args, tiny("llama"))]
     chosen = [m for m in _methods(args, tiny("qwen3_moe")) if m.method == "expert-subset"]
-    assert [(m.experts, m.exit_layer) for m in chosen] == [(1, None)]
+    assert [(m.speculation.experts, m.exit_layer) for m in chosen] == [(1, None)]
     with pytest.raises(ValueError, match="mixture-of-experts"):
         _methods(SimpleNamespace(**{**vars(args), "method": ["expert-subset"]}), tiny("llama"))
 

@@ -16,7 +16,9 @@ except ImportError:
     import httpx
 import openai
 import pytest
+
 import selfspec
+from selfspec import Speculation
 from selfspec.cli import main
 from serving import Running, free_port, save_tiny, wait_until
 
@@ -60,7 +62,7 @@ def replicas(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alone(checkpoint):
-    running = Running(selfspec.load(str(checkpoint), progress=False), options={"method": "early-exit"})
+    running = Running(selfspec.load(str(checkpoint), progress=False), speculation=Speculation('early-exit'))
     yield running
     running.close()
 

@@ -11,6 +11,7 @@ from scipy.stats import kstest
 
 import selfspec.drafters.layers.saguaro as saguaro
 from lossless import PROMPT, assert_greedy_lossless
+from selfspec import Speculation
 from selfspec.drafters import make_drafter
 from selfspec.core.sampling import SamplingParams, logits_to_probs
 from selfspec.core.stats import GenerationStats
@@ -68,7 +69,7 @@ def test_main_thread_keeps_its_threads(tiny):
 
 def test_counts_over_generations_and_in_stats(tiny):
     model = tiny()
-    drafter = make_drafter("saguaro", exit_layer=6, draft_len=2)
+    drafter = make_drafter(model.resolve(Speculation("saguaro", exit_layer=6, draft_len=2)))
     a = model.generate(PROMPT, max_new_tokens=10, drafter=drafter)
     b = model.generate(PROMPT, max_new_tokens=10, drafter=drafter)
     assert drafter.hits == a.stats.speculation_hits + b.stats.speculation_hits > 0

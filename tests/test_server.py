@@ -18,6 +18,8 @@ except ImportError:
 import openai
 import pytest
 
+from selfspec import Speculation
+
 from serving import Running, free_port, save_tiny, slow_steps, tiny_served, wait_until
 
 real = pytest.mark.real
@@ -26,7 +28,7 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Sa
 
 @pytest.fixture(scope="module")
 def served(smollm2):
-    running = Running(smollm2, max_batch=4, max_queue=8, options={"method": "lookup", "draft_len": 3})
+    running = Running(smollm2, max_batch=4, max_queue=8, speculation=Speculation('lookup', draft_len=3))
     yield running
     running.close()
 
@@ -153,7 +155,7 @@ def test_disconnect_frees_the_row(served):
 
 @real
 def test_queue_limit_returns_503_with_retry_after(smollm2):
-    running = Running(smollm2, max_batch=1, max_queue=0, options={"method": "ar"})
+    running = Running(smollm2, max_batch=1, max_queue=0, speculation=Speculation('ar'))
     try:
         body = {"model": running.name, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True}
         with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as r:
@@ -176,7 +178,7 @@ def test_the_feature_head_is_read_from_disk_once_for_20_hybrid_requests(smollm2,
     load_file = feature_head.load_file
     monkeypatch.setattr(feature_head, "load_file", lambda path: reads.append(path) or load_file(path))
     tagged_file._shared.clear()  # as in a new process
-    running = Running(smollm2, max_batch=4, options={"method": "hybrid"})
+    running = Running(smollm2, max_batch=4, speculation=Speculation('hybrid'))
     try:
         client, answers = running.client(), []
         threads = [threading.Thread(target=lambda i=i: answers.append(client.completions.create(
@@ -193,7 +195,7 @@ def test_the_feature_head_is_read_from_disk_once_for_20_hybrid_requests(smollm2,
 
 @real
 def test_api_key_is_required_when_set(smollm2):
-    running = Running(smollm2, api_key="sesame", options={"method": "ar"})
+    running = Running(smollm2, api_key="sesame", speculation=Speculation('ar'))
     try:
         with pytest.raises(openai.AuthenticationError):
             running.client("wrong").models.list()
@@ -210,7 +212,7 @@ STEP_S = 0.02  # each scheduler step at least this long: 200 tokens take >= 4 s
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    running = Running(tiny_served(), max_batch=2, options={"method": "ar"}, max_request_seconds=1.5)
+    running = Running(tiny_served(), max_batch=2, speculation=Speculation('ar'), max_request_seconds=1.5)
     slow_steps(running.scheduler, STEP_S)
     yield running
     running.close()

@@ -22,6 +22,8 @@ except ImportError:
     import httpx
 import pytest
 
+from selfspec import Speculation
+
 from serving import Running, free_port, save_tiny, slow_steps, tiny_served, wait_until
 from tiny_models import COMMON
 
@@ -41,7 +43,7 @@ def model():
 
 def _server(model):
     running = Running(model, max_batch=MAX_BATCH, max_queue=MAX_QUEUE, max_request_seconds=LIMIT_S,
-                      options={"method": "lookup", "draft_len": 3, "ngram": 1})
+                      speculation=Speculation('lookup', draft_len=3, ngram=1))
     slow_steps(running.scheduler, STEP_S)
     server = running.app.state.server
     submit, submitted = server.scheduler.submit, []
@@ -113,7 +115,7 @@ def test_the_server_survives_a_storm_of_faults(model, seed, caplog):
 
 
 def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(model):
-    running = Running(model, max_batch=2, options={"method": "ar"})
+    running = Running(model, max_batch=2, speculation=Speculation('ar'))
     try:
         scheduler = running.scheduler
         step, broken = scheduler.step, threading.Event()
@@ -138,7 +140,7 @@ def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(model):
 
 
 def test_health_fails_when_the_loop_dies_or_stalls(model):
-    running = Running(model, max_batch=2, options={"method": "ar"}, stall_seconds=0.5)
+    running = Running(model, max_batch=2, speculation=Speculation('ar'), stall_seconds=0.5)
     try:
         server, scheduler = running.app.state.server, running.scheduler
         assert httpx.get(running.url + "/health").json()["status"] == "ok"
@@ -194,7 +196,7 @@ def test_a_ray_replica_whose_loop_died_fails_its_health_check(model):
     from selfspec.serve.server import Server
 
     replica = Replica.__new__(Replica)  # its model and app as __serve_build_asgi_app__ leaves them
-    replica.server = Server(model, options={"method": "ar"})
+    replica.server = Server(model, speculation=Speculation('ar'))
     replica.server.start()
     replica.check_health()
     replica.server.scheduler.step = lambda: (_ for _ in ()).throw(SystemExit("injected"))

@@ -217,14 +217,14 @@ def test_a_shipped_choice_for_other_kernel_paths_runs_plain_decoding(tiny, monke
 def test_the_shipped_file_names_the_bundled_model():
     from selfspec.model.profiles import ModelIdentity, shipped_choice
 
-    from selfspec.drafters import has_feature_head
+    from selfspec.api import has_feature_head
 
     smollm2 = ModelIdentity("SmolLM2-135M-Instruct", "d3cc61f5878dc9e5")
     assert shipped_choice(smollm2, "bfloat16")["method"] == "hybrid"
     assert shipped_choice(smollm2, "float32") is None
     # A shipped hybrid drafts from the model's shipped feature head: without one it would be early exit.
-    assert has_feature_head(dict(profile={}, identity=smollm2))
-    assert not has_feature_head(dict(profile={}, identity=ModelIdentity("gemma-3-270m", "c23b6289364859d9")))
+    assert has_feature_head({}, smollm2)
+    assert not has_feature_head({}, ModelIdentity("gemma-3-270m", "c23b6289364859d9"))
 
 
 def test_auto_ignores_a_profile_tuned_on_an_older_engine_in_another_dtype_or_on_another_device(tiny, tmp_path):

@@ -35,15 +35,14 @@ def run(args) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise ValueError("the prompt is empty: give some text (or '-' to read standard input)")
-    options = dict(
-        speculation(args), max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
-    )
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     check_options(options)
-    check_model_options(args, options)
+    spec = speculation(args)
+    check_model_options(args, spec)
     check_prompt_length(args, prompt)
     model = load(args, progress=not args.json)
-    stream = model.stream(prompt, **options)
+    stream = model.stream(prompt, speculation=spec, **options)
     for chunk in stream:
         if not args.json:
             print(chunk.text, end="", flush=True)

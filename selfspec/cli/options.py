@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from selfspec.core.speculation import OPTIONS, Speculation
 from selfspec.drafters import METHODS
 from selfspec.model.loading import BUNDLED, DEFAULT_MODEL
 
@@ -168,13 +169,10 @@ def advanced_options(p: argparse.ArgumentParser) -> None:
                    help="a profile JSON file to use instead of this model's saved one (must match the model)")
 
 
-SPECULATION = ("method", "exit_layer", "draft_len", "threshold", "skip", "skip_ratio", "every", "ngram", "profile",
-               "exit_adapter", "draft_vocab", "experts", "siblings")
-
-
-def speculation(args) -> dict:
-    """The options `speculation_options` and `advanced_options` defined, as SelfSpecModel.prepare takes them."""
-    return {name: getattr(args, name) for name in SPECULATION}
+def speculation(args) -> Speculation:
+    """The speculation `speculation_options` and `advanced_options` describe, checked (values, and
+    that each option given is one its method takes) before the model loads."""
+    return Speculation.from_options(args.method, **{name: getattr(args, name) for name in OPTIONS})
 
 
 def load(args, **overrides):
@@ -185,49 +183,29 @@ def load(args, **overrides):
     return selfspec.load(args.model, **{**options, **overrides})
 
 
-def check_model_options(args, options: dict) -> None:
-    """Checks that need the model's shape or the engine mode, before the model loads: the exit
-    layer against the layer count in the config on disk, and exact mode's draft-length limit."""
+def check_model_options(args, spec: Speculation) -> None:
+    """Checks that need the model's shape or the engine mode, before the model loads: the
+    speculation against the layer count in the config on disk, and exact mode's draft-length limit."""
     from selfspec.api import check_exact_draft, default_dtype, default_exact
     from selfspec.model.loading import peek_layers
 
-    k = options.get("exit_layer")
     n_layers = peek_layers(args.model, args.cache_dir)
-    if k is not None and n_layers is not None and k > n_layers:
-        raise ValueError(f"exit layer must be in 1..{n_layers} for this model, got {k}")
+    if n_layers is not None:
+        spec.validate(n_layers)
     dtype = default_dtype(args.device) if args.dtype == "auto" else args.dtype
     exact = default_exact(dtype) if args.exact is None else args.exact
-    if exact and options.get("draft_len") is not None:
-        check_exact_draft(options["draft_len"])
+    if exact and spec.draft_len is not None:
+        check_exact_draft(spec.draft_len)
 
 
 def check_options(options: dict) -> None:
-    """Cheap argument checks before the (slow) model load; sampling ones only when given."""
+    """Cheap checks of the sampling options and --max-new-tokens before the (slow) model load."""
     from selfspec.core.sampling import SamplingParams
 
     if "temperature" in options:
         SamplingParams(temperature=options["temperature"], top_k=options["top_k"], top_p=options["top_p"])
-    if options["skip"] is not None:
-        from selfspec.model.skips import SkipSet
-
-        options["skip"] = SkipSet.parse(options["skip"])
-    for name in ("every", "ngram"):
-        if options[name] is not None and options[name] < 1:
-            raise ValueError(f"--{name} must be >= 1, got {options[name]}")
-    if options["skip_ratio"] is not None and not 0 < options["skip_ratio"] < 1:
-        raise ValueError(f"--skip-ratio must be in (0, 1), got {options['skip_ratio']}")
-    if options.get("experts") is not None and options["experts"] < 1:
-        raise ValueError(f"--experts must be >= 1, got {options['experts']}")
-    if options.get("draft_vocab") is not None and options["draft_vocab"] < 1:
-        raise ValueError(f"--draft-vocab must be >= 1, got {options['draft_vocab']}")
-    if options.get("siblings") is not None and not 1 <= options["siblings"] <= 15:
-        raise ValueError(f"--siblings must be 1 (a chain) .. 15 (a verify takes 16 rows), got {options['siblings']}")
-    if options["draft_len"] is not None and options["draft_len"] < 1:
-        raise ValueError(f"--draft-len must be >= 1, got {options['draft_len']}")
     if options.get("max_new_tokens", 1) < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {options['max_new_tokens']}")
-    if options["exit_layer"] is not None and options["exit_layer"] < 1:
-        raise ValueError(f"--exit-layer must be >= 1, got {options['exit_layer']}")
 
 
 def comma_ints(entries: list[str] | None) -> list[int]:

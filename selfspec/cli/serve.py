@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from selfspec.cli.options import (advanced_options, check_model_options, check_options, engine_options, first_line,
+from selfspec.cli.options import (advanced_options, check_model_options, engine_options, first_line,
                                   load, model_group, print_error, speculation, speculation_options)
 
 
@@ -64,16 +64,15 @@ def run(args) -> int:
 
     from selfspec.serve.server import create_app, log_config
 
-    options = speculation(args)
-    check_options(options)
-    check_model_options(args, options)
+    spec = speculation(args)
+    check_model_options(args, spec)
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.max_request_seconds < 0 or args.drain_seconds < 0:
         raise ValueError("--max-request-seconds and --drain-seconds must be >= 0")
     if args.stall_seconds <= 0:
         raise ValueError("--stall-seconds must be > 0")
-    server_options = dict(max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key, options=options,
+    server_options = dict(max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key, speculation=spec,
                           served_name=args.name, max_request_seconds=args.max_request_seconds or None,
                           stall_seconds=args.stall_seconds, ui=args.ui)
     if args.replicas is not None or args.autoscale or args.ray_address:

@@ -11,19 +11,35 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from selfspec.core.speculation import AUTO, TAKES, Speculation
 from selfspec.core.stats import GenerationStats
 
 
-class Speculation(BaseModel):
-    """The `selfspec` request extension: which drafter and its knobs. Unset fields take the
-    server's defaults (its command line, else the model's tuned profile: method "auto")."""
+# The options a request may set under `selfspec` (selfspec.core.speculation.Speculation defines
+# them): the ones that name no file on the server's disk.
+REQUEST_OPTIONS = ("method", "exit_layer", "draft_len", "threshold", "ngram")
+MAX_DRAFT_LEN = 16  # a request's γ: each round's verify holds γ + 1 rows of every active request
 
-    model_config = ConfigDict(extra="forbid")
-    method: str | None = None
-    exit_layer: int | None = Field(None, ge=1)
-    draft_len: int | None = Field(None, ge=0, le=16)
-    threshold: float | None = Field(None, ge=0, le=1)
-    ngram: int | None = Field(None, ge=1)
+
+def request_speculation(value: dict | None) -> dict | None:
+    """The `selfspec` field, checked: only REQUEST_OPTIONS, each valid as a Speculation's. Unset
+    options take the server's defaults (its command line, else method "auto"); the server lays
+    this over them with `Speculation.override`, which checks the options suit the method."""
+    if value is None:
+        return None
+    unknown = sorted(set(value) - set(REQUEST_OPTIONS))
+    if unknown:
+        raise ValueError(f"unrecognized speculation option(s) {', '.join(unknown)}; a request may set "
+                         f"{', '.join(REQUEST_OPTIONS)}")
+    given = {k: v for k, v in value.items() if v is not None}
+    if "method" in given and not isinstance(given["method"], str):
+        raise ValueError(f"method must be a string, got {given['method']!r}")
+    Speculation.from_options(**{**given, "method": AUTO})  # types and ranges; the method is checked on override
+    if given.get("draft_len", 0) > MAX_DRAFT_LEN:
+        raise ValueError(f"draft_len must be at most {MAX_DRAFT_LEN} in a request, got {given['draft_len']}")
+    if "method" in given and given["method"] not in TAKES:
+        raise ValueError(f"unknown method {given['method']!r}; choose one of: {', '.join(TAKES)}")
+    return given
 
 
 class _Common(BaseModel):
@@ -47,7 +63,12 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
     user: str | None = None
-    selfspec: Speculation | None = None
+    selfspec: dict | None = None  # how to speculate: see request_speculation
+
+    @field_validator("selfspec")
+    @classmethod
+    def _selfspec(cls, v):
+        return request_speculation(v)
 
     @field_validator("stop")
     @classmethod

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 from selfspec.serve import metrics
 from selfspec.api import Detokenizer, SelfSpecModel
 from selfspec.core.batch import QueueFull, Request, Scheduler
+from selfspec.core.speculation import Speculation
 from selfspec.serve.openai_schema import ChatRequest, CompletionRequest, Reply, error_body
 from selfspec.serve.trace import Trace
 
@@ -57,10 +58,11 @@ class Server:
     """The model, its scheduler and the thread that runs it; what the routes share."""
 
     def __init__(self, model: SelfSpecModel, *, max_batch: int = 8, max_queue: int = 32,
-                 api_key: str | None = None, options: dict | None = None, served_name: str | None = None,
+                 api_key: str | None = None, speculation: Speculation | None = None, served_name: str | None = None,
                  max_request_seconds: float | None = DEFAULT_MAX_REQUEST_S, peers=None,
                  stall_seconds: float = DEFAULT_STALL_S, on_fatal=None):
-        """max_request_seconds: wall time from arrival after which a request ends with finish_reason
+        """speculation: the default for requests that choose none, or only some of its options under
+        `selfspec` (None: method "auto"). max_request_seconds: wall time from arrival after which a request ends with finish_reason
         "length" (None: no limit). peers: where replicas pool their /metrics (selfspec.serve.replicas.Peers);
         None for a lone server. stall_seconds: /health answers 503 when rows are active and no
         scheduler step has ended for this long. on_fatal(error): called once if the scheduler's
@@ -69,7 +71,7 @@ class Server:
         self.name = served_name or model.name
         self.scheduler = Scheduler(model.adapter, max_batch=max_batch, max_queue=max_queue)
         self.api_key = api_key or None
-        self.options = {k: v for k, v in (options or {}).items() if v is not None}
+        self.speculation = speculation or Speculation()
         self.rejected = {"queue_full": 0, "invalid": 0}
         self.max_request_seconds = max_request_seconds
         self.peers = peers
@@ -151,11 +153,10 @@ class Server:
                            param="messages" if isinstance(body, ChatRequest) else "prompt",
                            code="context_length_exceeded")
         limit = body.limit or min(DEFAULT_MAX_TOKENS, context - len(ids))
-        spec = body.selfspec.model_dump(exclude_none=True) if body.selfspec else {}
         try:
             prepared = self.model.prepare(
-                ids, fresh_drafter=True, max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p,
-                seed=body.seed, **{**self.options, **spec},
+                ids, speculation=self.speculation.override(body.selfspec), fresh_drafter=True,
+                max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
             )
         except ValueError as error:
             raise ApiError(400, str(error), param="max_tokens" if "max_new_tokens" in str(error) else None)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from selfspec.tools.divergence import divergence
 from selfspec.core.engine import check_length
+from selfspec.core.speculation import Speculation
 from selfspec.tools.hf_reference import hf_generate, reference_configs
 from selfspec.tools.memory import MIB, MemoryUse, peak_memory
 from selfspec.tools.roofline import roofline
@@ -115,16 +116,18 @@ class Tally:
 @dataclass
 class Method:
     label: str
-    method: str  # a drafter name, or "hf" (transformers generate)
-    exit_layer: int | None = None
-    draft_len: int | None = None  # None: the drafter's own default
+    method: str  # a drafter name (ours), "hf" (transformers generate) or "llamacpp"
+    speculation: Speculation | None = None  # ours: the method and its options; None: the method's defaults
     hf_kwargs: dict = field(default_factory=dict)  # "hf": extra generate() arguments; none is its AR
-    draft_vocab: int | None = None  # early exit's pruned draft head size (--draft-vocab); None: the full head
-    experts: int | None = None  # expert-subset's routed experts per token per MoE layer (--experts)
+    reference_k: int | None = None  # "hf": the exit layer its early exit was given, reported as k
     engine: object | None = None  # "llamacpp": the LlamaCpp instance that runs it
-    siblings: int | None = None  # feature and hybrid: the head's alternatives per round (--siblings); None: default
     total: Tally = field(default_factory=Tally)
     by_category: dict[str, Tally] = field(default_factory=dict)
+
+    @property
+    def exit_layer(self) -> int | None:
+        """k, as the report shows it."""
+        return self.speculation.exit_layer if self.speculation is not None else self.reference_k
 
 
 BENCH_SET = "spec_bench_subset.jsonl"
@@ -195,7 +198,7 @@ def run_bench(args) -> int:
         raise ValueError(f"--repeats must be at least 1, got {rounds}")
     prompts = load_prompts(args.prompts, args.per_category)
     model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
-    methods = [Method("ar (ours)", "ar")] + _methods(args, model)
+    methods = [Method("ar (ours)", "ar", Speculation("ar"))] + _methods(args, model)
     temperature = getattr(args, "temperature", 0.0) or 0.0
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
@@ -261,7 +264,7 @@ def _methods(args, model) -> list[Method]:
     first γ asked (or its own default) and its profile when the model has one. `auto` is what
     `selfspec tune` chose; early exit without -k/-g takes k and γ from the tune when it chose early
     exit."""
-    from selfspec.drafters import FEATURE_MIN_NGRAM, METHODS, default_siblings, hybrid_fallback
+    from selfspec.drafters import FEATURE_MIN_NGRAM, METHODS
     from selfspec.model.moe import experts_per_token
     from selfspec.model.profiles import load_profile
     from selfspec.tools.tune import SECTION as TUNE
@@ -278,6 +281,7 @@ def _methods(args, model) -> list[Method]:
     from_tune = tuned.get("method") == "early-exit"
     exit_layers = args.exit_layer or [tuned["exit_layer"] if from_tune else model.default_exit_layer()]
     draft_lens = args.draft_len or ([tuned["draft_len"]] if from_tune else [None])
+    siblings = getattr(args, "siblings", None)
     out = []
     for name in dict.fromkeys(names):
         if name == "ar":
@@ -286,44 +290,52 @@ def _methods(args, model) -> list[Method]:
             # What `generate --method auto` runs: the tune's choice, else the shipped one, else AR.
             method, k, g = (tuned["method"], tuned.get("exit_layer"), tuned.get("draft_len")) if tuned else \
                 model.tuned(None, None, None)
+            spec = Speculation.relevant(method, exit_layer=k, draft_len=g, siblings=siblings)
             what = method + (f" k={k}" if k else "") + (f" γ={g}" if g else "")
-            if method == "hybrid" and hybrid_fallback(dict(profile=profile, identity=model.identity,
-                                                           asked_exit_layer=k)) == "feature":
-                m = default_siblings(getattr(args, "siblings", None))
-                what += f", feature's {m} siblings" if m > 1 else ", feature γ=1"
+            what += _feature_tag(model.resolve(spec))
             source = "tuned" if tuned else "shipped" if method != "ar" else "no profile"
-            out.append(Method(f"auto ({source}: {what})", method, k, g))
+            out.append(Method(f"auto ({source}: {what})", method, spec))
         elif name == "early-exit":
             tag = " (tuned)" if from_tune and not (args.exit_layer or args.draft_len) else ""
             vocab = getattr(args, "draft_vocab", None)
             tag += f" V={vocab}" if vocab else ""
-            out += [Method(f"early-exit k={k} γ={g or 4}{tag}{_adapter_tag(profile, k)}", name, k, g or 4,
-                           draft_vocab=vocab) for k in exit_layers for g in draft_lens]
+            out += [Method(f"early-exit k={k} γ={g or 4}{tag}{_adapter_tag(profile, k)}", name,
+                           Speculation(name, exit_layer=k, draft_len=g or 4, draft_vocab=vocab))
+                    for k in exit_layers for g in draft_lens]
         elif name == "expert-subset":
             if top_k is None:
                 raise ValueError(f"--method expert-subset needs a mixture-of-experts model; {model.name} is dense")
-            out += [Method(f"expert-subset {e}/{top_k} experts γ={draft_lens[0] or 4}", name, None, draft_lens[0],
-                           experts=e) for e in getattr(args, "experts", None) or [1]]
+            out += [Method(f"expert-subset {e}/{top_k} experts γ={draft_lens[0] or 4}", name,
+                           Speculation(name, draft_len=draft_lens[0], experts=e))
+                    for e in getattr(args, "experts", None) or [1]]
         elif name == "hybrid":
             asked = args.exit_layer[0] if args.exit_layer else None
-            fallback = hybrid_fallback(dict(profile=profile, identity=model.identity, asked_exit_layer=asked))
-            k = None if fallback == "feature" else exit_layers[0]
-            m = default_siblings(getattr(args, "siblings", None))
+            resolved = model.resolve(Speculation(name, exit_layer=asked, draft_len=draft_lens[0], siblings=siblings))
+            k = None if resolved.fallback == "feature" else exit_layers[0]
+            m = resolved.speculation.siblings or 1
             first = f"feature's {m} siblings" if m > 1 else "feature γ=1"
             what = {"layer-skip": "layer-skip", "early-exit": f"early-exit k={k}",
-                    "feature": f"{first}, lookup suffix ≥ {FEATURE_MIN_NGRAM}, no gates"}[fallback]
-            out.append(Method(f"hybrid (lookup, else {what})", name, k, draft_lens[0]))
+                    "feature": f"{first}, lookup suffix ≥ {FEATURE_MIN_NGRAM}, no gates"}[resolved.fallback]
+            out.append(Method(f"hybrid (lookup, else {what})", name,
+                              Speculation(name, exit_layer=k, draft_len=draft_lens[0], siblings=siblings)))
         else:
             label = name if draft_lens[0] is None else f"{name} γ≤{draft_lens[0]}"
             if name == "layer-skip":
                 label += " (searched profile)" if "layer-skip" in profile else " (untuned default)"
             vocab = getattr(args, "draft_vocab", None) if name == "feature" else None
-            sib = getattr(args, "siblings", None) if name == "feature" else None
+            sib = siblings if name == "feature" else None
             label += (f" V={vocab}" if vocab else "") + (f", {sib} siblings" if sib and sib > 1 else "")
-            out.append(Method(label, name, None, draft_lens[0], draft_vocab=vocab))
-    for m in out:
-        m.siblings = getattr(args, "siblings", None)
+            out.append(Method(label, name, Speculation.relevant(name, draft_len=draft_lens[0], draft_vocab=vocab,
+                                                                siblings=sib)))
     return out
+
+
+def _feature_tag(resolved) -> str:
+    """What hybrid's feature fallback drafts, for a label ('' for anything else)."""
+    if resolved.fallback != "feature":
+        return ""
+    m = resolved.speculation.siblings or 1
+    return f", feature's {m} siblings" if m > 1 else ", feature γ=1"
 
 
 def _adapter_tag(profile: dict, k: int) -> str:
@@ -363,8 +375,7 @@ def hf_methods(args, model) -> list[Method]:
     out = []
     for label, kwargs in reference_configs(k, gamma):
         early = "assistant_early_exit" in kwargs
-        lookup = kwargs.get("prompt_lookup_num_tokens")
-        out.append(Method(label, "hf", k if early else None, gamma if early else lookup, kwargs))
+        out.append(Method(label, "hf", hf_kwargs=kwargs, reference_k=k if early else None))
     return out
 
 
@@ -375,8 +386,7 @@ def _run(model, m: Method, ids: torch.Tensor, n: int, sampling: dict | None = No
     if m.method == "llamacpp":
         tokens, seconds = m.engine.generate(ids, n, model.eos_ids)
         return Run(tokens, seconds, None, 0)
-    result = model.generate(ids, method=m.method, exit_layer=m.exit_layer, draft_len=m.draft_len,
-                            draft_vocab=m.draft_vocab, experts=m.experts, siblings=m.siblings, max_new_tokens=n,
+    result = model.generate(ids, speculation=m.speculation or Speculation(m.method), max_new_tokens=n,
                             **(sampling or {}))
     return Run(result.tokens, result.stats.wall_s, result.stats, result.stats.kv_cache_bytes)
 
@@ -388,7 +398,8 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
 
     def row(m: Method, tally: Tally, ar_tally: Tally, hf_tally: Tally | None) -> dict:
         gamma = tally.stats.draft_len if tally.stats else None
-        out = {"method": m.label, "k": m.exit_layer, "gamma": gamma or None, **tally.summary()}
+        out = {"method": m.label, "k": m.exit_layer, "gamma": gamma or None, **tally.summary(),
+               "speculation": m.speculation.to_dict() if m.speculation is not None else None}
         out["speedup_vs_ar"] = round(tally.tokens_per_s / ar_tally.tokens_per_s, 3) if ar_tally.tokens_per_s else None
         decode, ar_decode = tally.decode_tokens_per_s, ar_tally.decode_tokens_per_s
         out["decode_speedup_vs_ar"] = round(decode / ar_decode, 3) if decode and ar_decode else None

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from selfspec.core.engine import check_length
+from selfspec.core.speculation import Speculation
 from selfspec.tools.roofline import Roofline, roofline
 from selfspec.tools.tune.costs import Costs, measure_costs
 from selfspec.model.profiles import ENGINE, TUNE_SECTION
@@ -31,9 +32,7 @@ SECTION = TUNE_SECTION
 
 @dataclass
 class Candidate:
-    method: str  # "early-exit", "lookup", "feature" or "hybrid" (lookup, else the feature head)
-    exit_layer: int | None
-    draft_len: int
+    speculation: Speculation  # early-exit (k, γ), lookup or hybrid (γ, n-gram) or feature (γ)
     rounds: Rounds  # replayed over every prompt
     cost: float  # c per draft token (early exit); 0 for lookup
     round_cost: float  # per-round draft cost (lookup's n-gram search); 0 for early exit
@@ -42,6 +41,18 @@ class Candidate:
     measured_alpha: float | None = None
     same: int = 0  # timed prompts whose output was token-identical to AR's
     runs: int = 0  # timed prompts (0: not checked)
+
+    @property
+    def method(self) -> str:
+        return self.speculation.method
+
+    @property
+    def exit_layer(self) -> int | None:
+        return self.speculation.exit_layer
+
+    @property
+    def draft_len(self) -> int:
+        return self.speculation.draft_len
 
     @property
     def identical(self) -> str | None:
@@ -56,14 +67,11 @@ class Candidate:
             return f"hybrid γ={self.draft_len} (lookup, else feature)"
         return f"early-exit k={self.exit_layer} γ={self.draft_len}"
 
-    def options(self) -> dict:
-        return {"method": self.method, "exit_layer": self.exit_layer, "draft_len": self.draft_len}
-
     def to_json(self) -> dict:
         def r(x, n=3):
             return None if x is None else round(x, n)
 
-        return {**self.options(), "alpha": r(self.rounds.alpha),
+        return {**self.speculation.to_dict(), "alpha": r(self.rounds.alpha),
                 "alpha_by_position": [round(a, 3) for a in self.rounds.alpha_by_position()],
                 "tokens_per_round": r(self.rounds.tokens_per_round), "cost": r(self.cost, 4),
                 "round_cost": r(self.round_cost, 5), "predicted": r(self.predicted),
@@ -89,8 +97,9 @@ class TuneResult:
         return max(good, key=lambda c: c.measured, default=None)
 
     def choice(self) -> dict:
+        """What `--method auto` runs (SelfSpecModel.tuned reads it back): the best's speculation, else AR."""
         best = self.best
-        return best.options() if best else {"method": "ar", "exit_layer": None, "draft_len": None}
+        return {"exit_layer": None, "draft_len": None, **(best.speculation if best else Speculation("ar")).to_dict()}
 
     def profile_section(self, **setup) -> dict:
         best = self.best
@@ -160,12 +169,14 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
         for g in range(1, max_draft_len + 1):
             rounds = _merged(replay_early_exit(t, k, g) for t in traces)
             speed = predicted_speedup(rounds, cost=costs.draft[k], verify=costs.verify[k])
-            candidates.append(Candidate("early-exit", k, g, rounds, costs.draft[k], 0.0, speed))
+            candidates.append(Candidate(Speculation("early-exit", exit_layer=k, draft_len=g), rounds, costs.draft[k],
+                                        0.0, speed))
     if lookup:
         for g in range(1, max_draft_len + 1):
             rounds = _merged(replay_lookup(t, g, ngram) for t in traces)
             speed = predicted_speedup(rounds, cost=0.0, round_cost=costs.lookup, verify=costs.verify[0])
-            candidates.append(Candidate("lookup", None, g, rounds, 0.0, costs.lookup, speed))
+            candidates.append(Candidate(Speculation("lookup", draft_len=g, ngram=ngram), rounds, 0.0, costs.lookup,
+                                        speed))
     candidates += _feature_candidates(model, traces, costs, max_draft_len, ngram if lookup else None)
 
     # 4. Time the best predictions against AR, and the best of each family if not among them, so
@@ -176,7 +187,7 @@ def tune(model, prompts: list[str], *, max_new_tokens: int = 64, exit_layers=Non
         best_of = next(c for c in ranked if c.method == method)
         if best_of not in checked:
             checked.append(best_of)
-    ar_tps = _timed_check(model, encoded, checked, max_new_tokens, ngram, progress)
+    ar_tps = _timed_check(model, encoded, checked, max_new_tokens, progress)
     line = roofline(model.hf_model, costs.step_s)
     return TuneResult(n_layers, grid, max_draft_len, lens, costs, candidates, ar_tps, checked, line)
 
@@ -196,18 +207,18 @@ def _feature_candidates(model, traces: list[Trace], costs, max_draft_len: int, n
         head, draft_ids, _ = feature_head_for(profile, model.identity)
     except (ValueError, FileNotFoundError):
         return []
-    drafters = [("feature", g, FeatureDraft(head, g, draft_ids=draft_ids)) for g in range(1, max_draft_len + 1)]
+    drafters = [(Speculation("feature", draft_len=g), FeatureDraft(head, g, draft_ids=draft_ids))
+                for g in range(1, max_draft_len + 1)]
     if ngram is not None:
-        drafters += [("hybrid", g, make_drafter("hybrid", draft_len=g, ngram=ngram, profile=profile,
-                                                identity=model.identity))
-                     for g in range(1, max_draft_len + 1)]
+        hybrids = [Speculation("hybrid", draft_len=g, ngram=ngram) for g in range(1, max_draft_len + 1)]
+        drafters += [(spec, make_drafter(model.resolve(spec))) for spec in hybrids]
     out = []
-    for method, g, drafter in drafters:
+    for spec, drafter in drafters:
         parts = [replay_feature(t, model.adapter, drafter) for t in traces if t.output]
         rounds = _merged(r for r, _ in parts)
         cost = sum(s for _, s in parts) / max(1, sum(rounds.drafted)) / costs.step_s
         speed = predicted_speedup(rounds, cost=cost, verify=costs.verify[0])
-        out.append(Candidate(method, None, g, rounds, cost, 0.0, speed))
+        out.append(Candidate(spec, rounds, cost, 0.0, speed))
     return out
 
 
@@ -218,20 +229,20 @@ def _merged(parts) -> Rounds:
     return total
 
 
-def _timed_check(model, encoded, checked, max_new_tokens, ngram, progress) -> float:
+def _timed_check(model, encoded, checked, max_new_tokens, progress) -> float:
     """Run AR and each checked candidate on every prompt, interleaved so machine noise spreads
     over all of them; fill in their measured speedup, α and identity with AR's output. Returns
     AR's tokens/s."""
-    runs = [{"method": "ar"}] + [{**c.options(), "ngram": ngram} for c in checked]
-    for options in runs:  # warm every path up once
-        model.generate(encoded[0], max_new_tokens=4, **options)
+    runs = [Speculation("ar")] + [c.speculation for c in checked]
+    for spec in runs:  # warm every path up once
+        model.generate(encoded[0], max_new_tokens=4, speculation=spec)
     tokens, seconds, same = [0] * len(runs), [0.0] * len(runs), [0] * len(runs)
     merged = [None] * len(runs)
     bar = tqdm(total=len(encoded) * len(runs), desc="timed check", unit="run", disable=not progress, dynamic_ncols=True)
     for ids in encoded:
         reference = None
-        for i, options in enumerate(runs):
-            out = model.generate(ids, max_new_tokens=max_new_tokens, **options)
+        for i, spec in enumerate(runs):
+            out = model.generate(ids, max_new_tokens=max_new_tokens, speculation=spec)
             reference = out.tokens if i == 0 else reference
             tokens[i] += out.stats.new_tokens
             seconds[i] += out.stats.wall_s
