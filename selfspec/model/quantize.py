@@ -97,10 +97,11 @@ def weight_bytes(hf_model: torch.nn.Module) -> dict[str, int]:
 # -- int4 ---------------------------------------------------------------------------------------
 #
 # int4 weight-only: each decoder-layer weight as 4-bit integers in groups of INT4_GROUP inputs, one
-# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by selfspec's 4-bit kernel
-# (selfspec.native.gemv.int4_linear, the "blocks" layout) where it runs, else by PyTorch's own CPU
-# kernel (`_weight_int4pack_mm_for_cpu`, the "int4pack" layout), which is bound by its arithmetic
-# rather than by the weights' bytes (results/qwen_int4/). A group of 32 with its own minimum and step is exactly
+# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by PyTorch's own CPU
+# kernel (`_weight_int4pack_mm_for_cpu`, the "int4pack" layout, the default), or by selfspec's 4-bit
+# kernel (selfspec.native.gemv.int4_linear, the "blocks" layout, with $SELFSPEC_INT4_LAYOUT=blocks):
+# a row's result is the same whatever the rows beside it and extra rows cost little, but one row
+# was 1.4-2.2x slower than PyTorch's kernel on an AMD EPYC (results/qwen_int4/), so it is opt-in. A group of 32 with its own minimum and step is exactly
 # the grid of GGUF's Q4_1 blocks, which is what the bundled SmolLM2's layers are stored as, so the
 # int4 model is the GGUF model up to bfloat16 rounding of each block's step and minimum. The LM
 # head goes int8 (one scale per row; the GGUF keeps it 8-bit too) and embeddings stay bfloat16.
@@ -139,13 +140,15 @@ class Int4Linear(torch.nn.Module):
     def quantize(cls, w: torch.Tensor, dtype: torch.dtype, bias=None, group: int = INT4_GROUP,
                  layout: str | None = None) -> "Int4Linear":
         """layout: "blocks" or "int4pack" (see the class); None: $SELFSPEC_INT4_LAYOUT, else
-        "blocks" where selfspec's kernel runs and groups are of 32, else "int4pack"."""
+        "int4pack" (the faster one measured; "blocks" needs selfspec's kernel and groups of 32)."""
         out, inp = w.shape
         if out % 16 or inp % group:
             raise ValueError(f"int4 needs output sizes divisible by 16 and input sizes by {group}; this model has a "
                              f"{out}x{inp} projection (use --dtype int8)")
-        if layout is None:  # $SELFSPEC_INT4_LAYOUT=int4pack keeps PyTorch's kernel (for A/B)
-            layout = os.environ.get("SELFSPEC_INT4_LAYOUT") or ("blocks" if group == 32 and gemv.available() else "int4pack")
+        if layout is None:  # $SELFSPEC_INT4_LAYOUT=blocks runs selfspec's 4-bit kernel (for A/B)
+            layout = os.environ.get("SELFSPEC_INT4_LAYOUT") or "int4pack"
+        if layout == "blocks" and not (group == 32 and gemv.available()):
+            layout = "int4pack"  # the kernel does not run here
         g = w.detach().float().view(out, inp // group, group)
         low, high = g.amin(-1), g.amax(-1)
         scale = ((high - low) / 15).clamp(min=1e-8).to(dtype)
