@@ -156,8 +156,10 @@ def test_int8_weights(arch):
         assert_greedy_lossless(model, **options)
 
 
+@pytest.mark.parametrize("layout", ["int4pack", "blocks"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_int4_weights(arch):
+def test_int4_weights(arch, layout, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_INT4_LAYOUT", layout)  # PyTorch's kernel (the default) and selfspec's
     hf = tiny_model(arch, dtype=torch.bfloat16)
     before = weight_bytes(hf)["layers"]
     originals = [m.weight.detach().float().clone() for m in (hf.model.layers[0].self_attn.o_proj,
