@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -80,6 +81,10 @@ class SelfSpecModel:
     # Drafters by their options, kept for the session: adaptive ones (SWIFT) carry what they
     # learned on one prompt over to the next.
     _drafters: dict = field(init=False, default_factory=dict, repr=False)
+    # Suffix stores by tenant (None: shared): every request's prompt and output, for `suffix`.
+    suffix_tokens: int = 1_000_000  # each store's budget in tokens (the oldest text goes past it)
+    _suffix: dict = field(init=False, default_factory=dict, repr=False)
+    _suffix_lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
@@ -149,6 +154,7 @@ class SelfSpecModel:
         seed: int | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
+        tenant: str | None = None,
         **options,
     ) -> Prepared:
         """Check a generation's arguments and resolve them (tokens, drafter, sampling), before any
@@ -161,7 +167,8 @@ class SelfSpecModel:
         was measured faster than plain decoding here, else plain decoding (see `tuned`).
         drafter: a drafter instance to use instead (its state carries over between calls).
         fresh_drafter: a new drafter instance even if one for the same speculation exists (the
-        server: each concurrent request needs its own).
+        server: each concurrent request needs its own). tenant: whose suffix store `suffix` drafts
+        from and adds to (None: the model's shared one; see `suffix_store`).
         """
         if speculation is None:
             speculation = Speculation.from_options(**options)
@@ -169,7 +176,7 @@ class SelfSpecModel:
             raise TypeError(f"give speculation= or its options as keywords ({', '.join(options)}), not both")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if drafter is None:
-            resolved = self.resolve(speculation)
+            resolved = self.resolve(speculation, tenant)
             if fresh_drafter:
                 drafter = make_drafter(resolved)
             else:
@@ -181,12 +188,40 @@ class SelfSpecModel:
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if self.adapter.exact:
-            check_exact_draft(drafter.draft_len)
+            check_exact_draft(drafter.draft_len, self.exact_rows())
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
         return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids)
 
-    def resolve(self, speculation: Speculation) -> Resolved:
+    def exact_rows(self) -> int:
+        """The most rows exact mode verifies at once: where the fused layer runs (eager, the kernel
+        built) each row's arithmetic is its own whatever the rows beside it, so any count up to its
+        ROWS is exact unpadded; elsewhere (PyTorch's kernels, compiled, CUDA) every forward is
+        padded to the one bucket EXACT_ROWS."""
+        from selfspec.native import fused_layer
+
+        return fused_layer.ROWS if self.adapter.runs_siblings(fused_layer.ROWS) else EXACT_ROWS
+
+    def suffix_store(self, tenant: str | None = None):
+        """The suffix store of this model for `tenant` (None: the one every request shares): the
+        prompts and outputs `suffix` drafts from (selfspec.drafters.suffix)."""
+        from selfspec.drafters.suffix import SuffixStore
+
+        with self._suffix_lock:
+            if tenant not in self._suffix:
+                self._suffix[tenant] = SuffixStore(self.suffix_tokens)
+            return self._suffix[tenant]
+
+    def suffix_stores(self) -> list:
+        with self._suffix_lock:
+            return list(self._suffix.values())
+
+    def reset_suffix_stores(self) -> None:
+        """Forget every request's text (a benchmark's fresh start)."""
+        with self._suffix_lock:
+            self._suffix.clear()
+
+    def resolve(self, speculation: Speculation, tenant: str | None = None) -> Resolved:
         """The speculation made concrete for this model on this machine, checked once, before the
         registry builds its drafter: auto becomes the tuned or shipped choice (options its method
         does not take are dropped), γ defaults to what exact mode's row bucket holds, k is checked
@@ -202,7 +237,7 @@ class SelfSpecModel:
             s = replace(s, draft_len=EXACT_ROWS - 1)  # the most the exact mode's row bucket holds after the pending token
         s.validate(self.n_layers)
         if self.adapter.exact and s.draft_len is not None:
-            check_exact_draft(s.draft_len)
+            check_exact_draft(s.draft_len, self.exact_rows())
         saved = load_profile(self.identity, s.profile)
         if s.exit_adapter is not None and s.exit_adapter not in DISABLED and not Path(s.exit_adapter).expanduser().is_file():
             raise FileNotFoundError(f"no exit adapter at {s.exit_adapter}")
@@ -215,7 +250,8 @@ class SelfSpecModel:
         if s.exit_layer is None and (s.method in ("early-exit", "saguaro") or fallback == "early-exit"):
             s = replace(s, exit_layer=adapter_exit_layer(s.exit_adapter, saved) or self.default_exit_layer())
             s.validate(self.n_layers)
-        return Resolved(s, self.identity, fallback, saved)
+        store = self.suffix_store(tenant) if s.method == "suffix" else None
+        return Resolved(s, self.identity, fallback, saved, store)
 
     def stream(self, prompt: str | Sequence[int], **options) -> Stream:
         """Start a generation; nothing runs until the stream is iterated. Errors in the arguments
@@ -467,11 +503,19 @@ def has_feature_head(profile: dict, identity: ModelIdentity) -> bool:
     return bool(profile.get(SECTION) or shipped_path(identity).is_file())
 
 
-def check_exact_draft(draft_len: int) -> None:
-    """Exact mode's one row bucket holds the pending token and at most EXACT_ROWS - 1 drafts."""
-    if draft_len + 1 > EXACT_ROWS:
-        raise ValueError(f"exact mode runs every forward in {EXACT_ROWS} rows: the draft length must be at most "
-                         f"{EXACT_ROWS - 1}, got {draft_len} (lower -g, or turn exact mode off: --no-exact / exact=False)")
+def exact_rows_here() -> int:
+    """The most rows exact mode can verify on this machine for a model the fused layer runs
+    (SelfSpecModel.exact_rows says it for one model): before any model loads."""
+    from selfspec.native import fused_layer, gemv
+
+    return fused_layer.ROWS if gemv.available() else EXACT_ROWS
+
+
+def check_exact_draft(draft_len: int, rows: int = EXACT_ROWS) -> None:
+    """Exact mode verifies the pending token and at most rows - 1 drafts (SelfSpecModel.exact_rows)."""
+    if draft_len + 1 > rows:
+        raise ValueError(f"exact mode verifies at most {rows} rows here: the draft length must be at most "
+                         f"{rows - 1}, got {draft_len} (lower -g, or turn exact mode off: --no-exact / exact=False)")
 
 
 def default_dtype(device: str = "cpu") -> str:

@@ -16,6 +16,7 @@ OPTIONS = {
     "clasp": dict(every=2, draft_len=4),
     "conflayers": dict(every=2, draft_len=4),
     "lookup": dict(draft_len=4),
+    "suffix": dict(draft_len=8),
     "hybrid": dict(exit_layer=3, draft_len=4),
     "expert-subset": dict(draft_len=4),
     "saguaro": dict(exit_layer=3, draft_len=3),

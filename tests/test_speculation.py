@@ -18,6 +18,7 @@ GIVEN = {
     "clasp": dict(every=2, draft_len=4),
     "conflayers": dict(every=2, draft_len=4, skip_ratio=0.3),
     "lookup": dict(draft_len=4, ngram=2),
+    "suffix": dict(draft_len=6),
     "hybrid": dict(exit_layer=3, draft_len=4, ngram=2),
     "expert-subset": dict(draft_len=4, experts=1),
     "saguaro": dict(exit_layer=3, draft_len=3),
@@ -98,8 +99,10 @@ def test_exact_mode_limits_the_draft_length(tiny):
     from tiny_models import tiny_model
 
     model = selfspec.SelfSpecModel(tiny_model("llama", 0), name="tiny-llama", exact=True)
-    with pytest.raises(ValueError, match="draft length must be at most 3"):
-        model.resolve(Speculation("lookup", draft_len=4))
+    limit = model.exact_rows() - 1  # 15 where the fused layer runs, else 3 (the padded bucket)
+    with pytest.raises(ValueError, match=f"draft length must be at most {limit}"):
+        model.resolve(Speculation("lookup", draft_len=limit + 1))
+    assert model.resolve(Speculation("lookup", draft_len=limit)).speculation.draft_len == limit
     assert model.resolve(Speculation("lookup")).speculation.draft_len == 3  # the most its bucket holds
     assert model.resolve(Speculation("ar")).speculation.draft_len is None  # AR drafts nothing
 

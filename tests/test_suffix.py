@@ -73,3 +73,54 @@ def test_sampled_suffix_decoding_follows_the_target_distribution(tiny):
     accepted = assert_sampling_matches_target(tiny("llama"), prompt=REPETITIVE, trials=600,
                                               drafter=SuffixDraft(store, draft_len=4))
     assert accepted > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_exact_mode_is_exact_at_any_draft_length_where_the_fused_layer_runs(arch):
+    """Exact mode verifies γ + 1 rows unpadded where each row's arithmetic is its own (the fused
+    layer), so greedy output equals plain decoding in the same mode for γ up to 15."""
+    import torch
+    from tiny_models import tiny_model
+
+    import selfspec
+
+    model = selfspec.SelfSpecModel(tiny_model(arch, 0, dtype=torch.bfloat16), exact=True)
+    if model.exact_rows() < 16:
+        pytest.skip("the fused layer does not run here: exact mode keeps its padded 4-row bucket")
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 9]
+    plain = model.generate(prompt, method="ar", max_new_tokens=48)
+    for gamma in (1, 2, 5, 9, 15):
+        for method in ("lookup", "suffix"):
+            out = model.generate(prompt, method=method, draft_len=gamma, max_new_tokens=48)
+            assert out.tokens == plain.tokens, (method, gamma)
+    assert out.stats.accepted > 0
+
+
+def test_the_server_drafts_from_earlier_requests_and_keeps_users_apart():
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    from serving import Running, tiny_served
+
+    from selfspec.core.speculation import Speculation
+
+    for scope in ("shared", "user"):
+        model = tiny_served()
+        running = Running(model, speculation=Speculation("suffix", draft_len=8), suffix_scope=scope)
+        try:
+            body = {"model": running.name, "prompt": "w5 w6 w7 w8 w9", "max_tokens": 40, "temperature": 0}
+            first = httpx.post(running.url + "/v1/completions", json={**body, "user": "a"}, timeout=60).json()
+            second = httpx.post(running.url + "/v1/completions", json={**body, "user": "b"}, timeout=60).json()
+            alone = model.generate("w5 w6 w7 w8 w9", method="ar", max_new_tokens=40, chat=False).text
+            assert first["choices"][0]["text"] == second["choices"][0]["text"] == alone
+            drafted_from_a = second["usage"]["selfspec"]["accepted"] > first["usage"]["selfspec"]["accepted"]
+            stores = model.suffix_stores()
+            if scope == "shared":
+                assert drafted_from_a and len(stores) == 1 and stores[0].sequences == 2
+            else:
+                assert len(stores) == 2 and all(s.sequences == 1 for s in stores)  # b's store never saw a's text
+            metrics = httpx.get(running.url + "/metrics").text
+            assert "selfspec_suffix_store_tokens" in metrics and "selfspec_suffix_store_tokens 0.0" not in metrics
+        finally:
+            running.close()

@@ -186,7 +186,7 @@ def load(args, **overrides):
 def check_model_options(args, spec: Speculation) -> None:
     """Checks that need the model's shape or the engine mode, before the model loads: the
     speculation against the layer count in the config on disk, and exact mode's draft-length limit."""
-    from selfspec.api import check_exact_draft, default_dtype, default_exact
+    from selfspec.api import check_exact_draft, default_dtype, default_exact, exact_rows_here
     from selfspec.model.loading import peek_layers
 
     n_layers = peek_layers(args.model, args.cache_dir)
@@ -195,7 +195,7 @@ def check_model_options(args, spec: Speculation) -> None:
     dtype = default_dtype(args.device) if args.dtype == "auto" else args.dtype
     exact = default_exact(dtype) if args.exact is None else args.exact
     if exact and spec.draft_len is not None:
-        check_exact_draft(spec.draft_len)
+        check_exact_draft(spec.draft_len, exact_rows_here())  # the model's own limit is checked once loaded
 
 
 def check_options(options: dict) -> None:

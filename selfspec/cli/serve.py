@@ -40,6 +40,13 @@ def add_parser(sub) -> None:
     sv.add_argument("--drain-seconds", type=float, default=5, metavar="S",
                     help="on SIGTERM or Ctrl-C, seconds that active requests may run on before they are "
                          "cancelled and the server exits (default 5)")
+    sv.add_argument("--suffix-scope", choices=("shared", "user"), default="shared",
+                    help="whose text --method suffix drafts from: shared (default: every request's; outputs are "
+                         "the same either way, but timing can hint that a text was seen before) or user (one store "
+                         "per request 'user' field, so one client's text never shapes another's drafts)")
+    sv.add_argument("--suffix-tokens", type=int, default=1_000_000, metavar="N",
+                    help="tokens of past prompts and answers each suffix store keeps, the oldest dropped first "
+                         "(default 1000000, tens of MB)")
     model_group(sv)
     speculation_options(sv, "the server's defaults; a request may choose its own under 'selfspec'")
     engine_options(sv)
@@ -72,9 +79,12 @@ def run(args) -> int:
         raise ValueError("--max-request-seconds and --drain-seconds must be >= 0")
     if args.stall_seconds <= 0:
         raise ValueError("--stall-seconds must be > 0")
+    if args.suffix_tokens < 1:
+        raise ValueError("--suffix-tokens must be >= 1")
     server_options = dict(max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key, speculation=spec,
                           served_name=args.name, max_request_seconds=args.max_request_seconds or None,
-                          stall_seconds=args.stall_seconds, ui=args.ui)
+                          stall_seconds=args.stall_seconds, ui=args.ui, suffix_scope=args.suffix_scope,
+                          suffix_tokens=args.suffix_tokens)
     if args.replicas is not None or args.autoscale or args.ray_address:
         return run_replicas(args, server_options)
     model = load(args)

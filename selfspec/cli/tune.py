@@ -54,7 +54,7 @@ def run(args) -> int:
         raise ValueError("--max-new-tokens must be >= 2 and --check >= 0")
     prompts = load_prompts(args.prompts, args.per_category, default="calibration.jsonl")
     model = load(args)
-    if model.exact:  # exact mode's one row bucket holds a pending token and at most 3 drafts
+    if model.exact:  # tuned choices stay within the padded bucket every path verifies exactly (3 drafts)
         args.max_draft_len = min(args.max_draft_len, EXACT_ROWS - 1)
     result = tune(model, [p.text for p in prompts], max_new_tokens=args.max_new_tokens, exit_layers=exit_layers,
                   max_draft_len=args.max_draft_len, lookup=not args.no_lookup, ngram=args.ngram, check=args.check,

@@ -139,6 +139,7 @@ TAKES: dict[str, tuple[str, ...]] = {
     "expert-subset": ("exit_layer", "draft_len", "experts"),
     "saguaro": _EARLY_EXIT,
     "feature": _FEATURE,
+    "suffix": ("draft_len",),  # suffix decoding over every request's text (selfspec.drafters.suffix)
 }
 
 FLAGS = {name: "--" + name.replace("_", "-") for name in OPTIONS}  # as the CLI spells them
@@ -192,3 +193,4 @@ class Resolved:
     identity: ModelIdentity | None = None  # the model's: head files are checked against it
     fallback: str | None = None  # hybrid's model draft: "layer-skip", "feature" or "early-exit"
     profile: dict = field(default_factory=dict, compare=False)  # the model's profile (or the file asked), read once
+    store: object | None = None  # suffix: the SuffixStore this request drafts from and adds to (its model's, its tenant's)

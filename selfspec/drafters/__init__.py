@@ -128,6 +128,13 @@ def _feature(r: Resolved) -> Drafter:
                         threshold=s.threshold, siblings=s.siblings or 1)
 
 
+def _suffix(r: Resolved) -> Drafter:
+    """Suffix decoding: drafts from the store `r.store` (the model's, or its tenant's: selfspec.api)."""
+    from selfspec.drafters.suffix import SuffixDraft, SuffixStore
+
+    return SuffixDraft(r.store if r.store is not None else SuffixStore(), **_given(r.speculation, "draft_len"))
+
+
 DRAFTERS: dict[str, Callable[[Resolved], Drafter]] = {
     "ar": lambda r: Autoregressive(),
     "early-exit": _early_exit,
@@ -136,6 +143,7 @@ DRAFTERS: dict[str, Callable[[Resolved], Drafter]] = {
     "clasp": _clasp,
     "conflayers": _conflayers,
     "lookup": _lookup,
+    "suffix": _suffix,
     "hybrid": _hybrid,
     "expert-subset": _expert_subset,
     "saguaro": _saguaro,

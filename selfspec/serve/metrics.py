@@ -45,6 +45,9 @@ GAUGES = [
     ("queue_depth", "Requests waiting for a row", lambda s: s["queue_depth"]),
     ("active_rows", "Requests being decoded", lambda s: s["active_rows"]),
     ("oldest_active_seconds", "Age of the oldest request being decoded (0 when none)", _age),
+    ("suffix_store_tokens", "Tokens of past requests the suffix stores hold (method suffix)",
+     lambda s: s.get("suffix_tokens", 0)),
+    ("suffix_store_sequences", "Prompts and answers the suffix stores hold", lambda s: s.get("suffix_sequences", 0)),
 ]
 
 
@@ -53,7 +56,9 @@ def snapshot(server) -> dict:
     scheduler = server.scheduler
     return {**dataclasses.asdict(scheduler.totals), "rejected": dict(server.rejected),
             "queue_depth": scheduler.queue_depth, "active_rows": len(scheduler.active),
-            "oldest_active_s": scheduler.oldest_active_s(), "at": time.time()}
+            "oldest_active_s": scheduler.oldest_active_s(), "at": time.time(),
+            "suffix_tokens": sum(store.tokens for store in server.model.suffix_stores()),
+            "suffix_sequences": sum(store.sequences for store in server.model.suffix_stores())}
 
 
 def combine(snapshots: list[dict]) -> dict:

@@ -60,13 +60,23 @@ class Server:
     def __init__(self, model: SelfSpecModel, *, max_batch: int = 8, max_queue: int = 32,
                  api_key: str | None = None, speculation: Speculation | None = None, served_name: str | None = None,
                  max_request_seconds: float | None = DEFAULT_MAX_REQUEST_S, peers=None,
-                 stall_seconds: float = DEFAULT_STALL_S, on_fatal=None):
+                 stall_seconds: float = DEFAULT_STALL_S, on_fatal=None, suffix_scope: str = "shared",
+                 suffix_tokens: int | None = None):
         """speculation: the default for requests that choose none, or only some of its options under
         `selfspec` (None: method "auto"). max_request_seconds: wall time from arrival after which a request ends with finish_reason
         "length" (None: no limit). peers: where replicas pool their /metrics (selfspec.serve.replicas.Peers);
         None for a lone server. stall_seconds: /health answers 503 when rows are active and no
         scheduler step has ended for this long. on_fatal(error): called once if the scheduler's
-        thread dies (`selfspec serve` then exits non-zero, for its supervisor to restart it)."""
+        thread dies (`selfspec serve` then exits non-zero, for its supervisor to restart it).
+        suffix_scope: whose text `suffix` drafts from: "shared" (every request's: output is the same
+        either way, verification is exact, but timing can hint that a text was seen before) or
+        "user" (one store per request `user` field, OpenAI's end-user id; none given: one store for
+        all such requests). suffix_tokens: each suffix store's budget (None: the model's default)."""
+        if suffix_scope not in ("shared", "user"):
+            raise ValueError(f"suffix_scope must be 'shared' or 'user', got {suffix_scope!r}")
+        self.suffix_scope = suffix_scope
+        if suffix_tokens is not None:
+            model.suffix_tokens = suffix_tokens
         self.model = model
         self.name = served_name or model.name
         self.scheduler = Scheduler(model.adapter, max_batch=max_batch, max_queue=max_queue)
@@ -156,6 +166,7 @@ class Server:
         try:
             prepared = self.model.prepare(
                 ids, speculation=self.speculation.override(body.selfspec), fresh_drafter=True,
+                tenant=("user", body.user) if self.suffix_scope == "user" else None,
                 max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
             )
         except ValueError as error:

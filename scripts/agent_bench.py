@@ -1,0 +1,137 @@
+"""Agent and code-assistant traffic through `selfspec serve`: sessions that repeat system prompts and
+tool schemas, rewrite files they were just shown, quote shared documents and retry requests
+(selfspec/data/agent_sessions.jsonl), each multi-turn session re-sending its history.
+
+For each method, a fresh server in this process on a loopback port (and a fresh suffix store), then
+`--clients` concurrent clients, each running whole sessions one after another, greedy,
+`--max-tokens` per turn. Methods run in the order given, the whole list `--rounds` times
+(interleaved). Reports generated tokens/s, × the first method (plain decoding by default), α, mean
+tokens per round, and whether every answer equals the first method's (greedy: it must).
+
+    .venv/bin/python scripts/agent_bench.py --methods ar,lookup,hybrid,suffix --clients 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import threading
+import time
+from importlib import resources
+
+import openai
+import uvicorn
+
+import selfspec
+from selfspec.core.speculation import Speculation
+from selfspec.serve.server import create_app
+
+
+def load_sessions(path: str | None = None) -> list[dict]:
+    text = open(path).read() if path else resources.files("selfspec").joinpath("data/agent_sessions.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+async def run_sessions(url: str, name: str, sessions: list[dict], clients: int, max_tokens: int) -> tuple[dict, float]:
+    """Every session's answers, keyed (session, turn), and the generated tokens."""
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    answers, tokens, queue = {}, [0], list(enumerate(sessions))
+
+    async def one_client():
+        while queue:
+            i, session = queue.pop(0)
+            messages = [{"role": "system", "content": session["system"]}]
+            for t, turn in enumerate(session["turns"]):
+                messages.append({"role": "user", "content": turn})
+                reply = await client.chat.completions.create(model=name, messages=messages, max_tokens=max_tokens,
+                                                             temperature=0)
+                text = reply.choices[0].message.content
+                answers[i, t] = text
+                tokens[0] += reply.usage.completion_tokens
+                messages.append({"role": "assistant", "content": text})
+
+    await asyncio.gather(*(one_client() for _ in range(clients)))
+    return answers, tokens[0]
+
+
+def run_method(model, method: str, sessions: list[dict], args) -> tuple[dict, dict]:
+    model.reset_suffix_stores()
+    app = create_app(model, max_batch=args.max_batch, max_queue=64, speculation=Speculation(method))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        t0 = time.perf_counter()
+        answers, tokens = asyncio.run(run_sessions(f"http://127.0.0.1:{port}/v1", model.name, sessions, args.clients,
+                                                   args.max_tokens))
+        wall = time.perf_counter() - t0
+        totals = app.state.server.scheduler.totals
+        return {"tokens": tokens, "wall_s": wall, "drafted": totals.drafted, "accepted": totals.accepted,
+                "rounds": totals.rounds}, answers
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _cpu() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="bundled name, checkpoint or .gguf (default: smollm2)")
+    p.add_argument("--methods", default="ar,lookup,hybrid,suffix", help="comma-separated; the first is the baseline")
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per turn (default 128)")
+    p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (default 8)")
+    p.add_argument("--rounds", type=int, default=1, help="times the whole method list runs, interleaved (default 1)")
+    p.add_argument("--sessions", default=None, help="a sessions JSONL file (default: the bundled agent_sessions)")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    args = p.parse_args(argv)
+    model = selfspec.load(args.model, progress=False)
+    sessions = load_sessions(args.sessions)
+    methods = args.methods.split(",")
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    reference, differing = None, {m: 0 for m in methods}
+    for _ in range(args.rounds):
+        for method in methods:
+            figures, answers = run_method(model, method, sessions, args)
+            runs[method].append(figures)
+            reference = answers if reference is None else reference
+            differing[method] += sum(answers.get(key) != text for key, text in reference.items())
+            print(f"{method}: {figures['tokens'] / figures['wall_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    rows = {}
+    for method, rs in runs.items():
+        tokens, wall = sum(r["tokens"] for r in rs), sum(r["wall_s"] for r in rs)
+        drafted, accepted, rounds = (sum(r[k] for r in rs) for k in ("drafted", "accepted", "rounds"))
+        rows[method] = {"tok_s": round(tokens / wall, 2), "alpha": round(accepted / drafted, 3) if drafted else None,
+                        "tokens_per_round": round((accepted + rounds) / rounds, 2) if rounds else None,
+                        "differing_answers": differing[method]}
+    base = rows[methods[0]]["tok_s"]
+    for row in rows.values():
+        row["x_first"] = round(row["tok_s"] / base, 2)
+    setup = {"model": model.name, "dtype": model.dtype_name, "exact": model.exact, "cpu": _cpu(),
+             "sessions": len(sessions), "turns": sum(len(s["turns"]) for s in sessions), "clients": args.clients,
+             "max_tokens": args.max_tokens, "rounds": args.rounds, "command": " ".join(["scripts/agent_bench.py", *(argv or sys.argv[1:])])}
+    print(json.dumps(setup))
+    print("| method | tok/s | × " + methods[0] + " | α | tokens/round | answers ≠ " + methods[0] + " |")
+    print("|---|---|---|---|---|---|")
+    for method, r in rows.items():
+        print(f"| {method} | {r['tok_s']} | {r['x_first']} | {r['alpha']} | {r['tokens_per_round']} | {r['differing_answers']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": setup, "results": rows}, f, indent=2)
+    return 1 if any(r["differing_answers"] for r in rows.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
