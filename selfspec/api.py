@@ -234,7 +234,8 @@ class SelfSpecModel:
             method, k, g = self.tuned(s.profile, s.exit_layer, s.draft_len)
             s = Speculation.relevant(method, **{**s.options(), "exit_layer": k, "draft_len": g})
         if self.adapter.exact and s.draft_len is None and "draft_len" in TAKES[s.method]:
-            s = replace(s, draft_len=EXACT_ROWS - 1)  # the most the exact mode's row bucket holds after the pending token
+            # The tuned bucket's 3, as every method was measured; suffix's long matches take all rows exact here.
+            s = replace(s, draft_len=self.exact_rows() - 1 if s.method == "suffix" else EXACT_ROWS - 1)
         s.validate(self.n_layers)
         if self.adapter.exact and s.draft_len is not None:
             check_exact_draft(s.draft_len, self.exact_rows())
