@@ -121,6 +121,8 @@ SERVING = [
     Source("results/serve/load_smollm2_replicas.md", "the same load on one process and on 1 and 2 Ray Serve replicas", load=True),
 ]
 
+AGENT = [Source("results/agent_bench/smollm2_bf16.md", "SmolLM2 on agent and code-assistant sessions", load=True)]
+
 
 @dataclass
 class Table:
@@ -265,6 +267,13 @@ def performance_md() -> str:
     for src in SERVING:
         t = read_table(src.path)
         out += [f"**{src.caption}.** {describe_load(t)}", ""] + markdown_table(t, LOAD_COLUMNS) + [""]
+    out += ["## Agent and code-assistant traffic", "",
+            "`scripts/agent_bench.py`: multi-turn sessions that repeat system prompts and tool schemas, rewrite "
+            "files they were shown, quote shared documents and retry, through the server; `suffix` drafts from "
+            "every earlier request.", ""]
+    for src in AGENT:
+        t = read_table(src.path)
+        out += [f"**{src.caption}.** {describe_load(t)}", ""] + markdown_table(t, t.header) + [""]
     return "\n".join(out).rstrip() + "\n"
 
 
