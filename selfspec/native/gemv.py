@@ -169,6 +169,8 @@ def _build():
     digest = hashlib.sha256(text + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:16]
     # One namespace per build, so builds with other flags (the tests') load beside it in one process.
     name = f"selfspec_{digest}"
+    if name in _LOADED:  # a namespace registers once per process: a second copy (another cache dir) would abort
+        return getattr(torch.ops, name)
     directory = cache_root() / "kernels" / digest
     library = directory / f"{name}.so"
     try:
@@ -190,7 +192,11 @@ def _build():
         print(f"selfspec: note: could not build the one-row product kernel ({detail}); using PyTorch's",
               file=sys.stderr)
         return None
+    _LOADED.add(name)
     return getattr(torch.ops, name)
+
+
+_LOADED: set[str] = set()  # the kernel namespaces this process has loaded
 
 
 def available() -> bool:
