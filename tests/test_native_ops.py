@@ -226,3 +226,16 @@ def test_feature_step_refuses_a_non_contiguous_tensor(ops):
     for change in [dict(previous=_strided(args["previous"])), _with_weight(args, 8, _strided(args["weights"][8])),
                    dict(keys=_strided(args["keys"])), dict(logits=_strided(args["logits"]))]:
         _refused(ops.feature_step, args, **change)
+
+
+def test_a_second_cache_directory_in_one_process_reuses_the_loaded_ops(tmp_path):
+    """A namespace registers once per process: building again with the cache elsewhere (a test's
+    SELFSPEC_CACHE) must reuse the loaded ops, not load a second copy (which aborted the process)."""
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom selfspec.native import gemv\nfirst = gemv._build()\n"
+            f"os.environ['SELFSPEC_CACHE'] = {str(tmp_path)!r}\nsecond = gemv._build()\n"
+            "assert (first is None) == (second is None)\nprint('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
