@@ -117,10 +117,12 @@ def test_exact_mode_bfloat16_is_lossless(arch):
         assert_greedy_lossless(model, **options)
 
 
-def test_exact_mode_refuses_long_drafts():
+def test_exact_mode_refuses_drafts_longer_than_its_exact_verify():
     model = SelfSpecModel(tiny_model("llama"), exact=True)
-    with pytest.raises(ValueError, match="draft length must be at most 3"):
-        model.generate(PROMPT, method="early-exit", exit_layer=2, draft_len=EXACT_ROWS)
+    limit = model.exact_rows() - 1  # 15 where the fused layer runs, else EXACT_ROWS - 1
+    assert limit in (EXACT_ROWS - 1, 15)
+    with pytest.raises(ValueError, match=f"draft length must be at most {limit}"):
+        model.generate(PROMPT, method="early-exit", exit_layer=2, draft_len=limit + 1)
 
 
 def test_lean_step_refuses_a_write_past_the_cache():
