@@ -248,6 +248,8 @@ class SelfSpecModel:
                         "feature" if s.exit_layer is None and has_feature_head(saved, self.identity) else "early-exit")
             if fallback == "feature":
                 s = replace(s, siblings=default_siblings(s.siblings))
+        elif s.method == "suffix" and has_feature_head(saved, self.identity):
+            fallback = "feature"  # one head token on rounds the store has no match for
         if s.exit_layer is None and (s.method in ("early-exit", "saguaro") or fallback == "early-exit"):
             s = replace(s, exit_layer=adapter_exit_layer(s.exit_adapter, saved) or self.default_exit_layer())
             s.validate(self.n_layers)

@@ -124,3 +124,14 @@ def test_the_server_drafts_from_earlier_requests_and_keeps_users_apart():
             assert "selfspec_suffix_store_tokens" in metrics and "selfspec_suffix_store_tokens 0.0" not in metrics
         finally:
             running.close()
+
+
+@pytest.mark.real
+def test_suffix_with_the_feature_head_equals_plain_decoding_on_smollm2(smollm2):
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox"
+    plain = smollm2.generate(prompt, method="ar", max_new_tokens=32)
+    smollm2.reset_suffix_stores()
+    first = smollm2.generate(prompt, method="suffix", max_new_tokens=32)
+    again = smollm2.generate(prompt, method="suffix", max_new_tokens=32)
+    assert first.tokens == plain.tokens and again.tokens == plain.tokens
+    assert again.stats.method == "suffix" and again.stats.accepted > first.stats.accepted
