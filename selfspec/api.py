@@ -200,7 +200,7 @@ class SelfSpecModel:
         padded to the one bucket EXACT_ROWS."""
         from selfspec.native import fused_layer
 
-        return fused_layer.ROWS if self.adapter.runs_siblings(fused_layer.ROWS) else EXACT_ROWS
+        return fused_layer.ROWS if self.adapter.runs_fused(fused_layer.ROWS) else EXACT_ROWS
 
     def suffix_store(self, tenant: str | None = None):
         """The suffix store of this model for `tenant` (None: the one every request shares): the

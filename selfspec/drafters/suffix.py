@@ -41,13 +41,13 @@ class SuffixStore:
         self._indexed: dict[int, int] = {}  # sequence id -> positions indexed (ends of k-grams < this)
         self._index: dict[tuple[int, ...], collections.deque] = {}  # k-gram -> deque of (sequence id, end)
         self._next_id = 0
+        self._total = 0  # tokens indexed, over every sequence kept
         self._lock = threading.Lock()
 
     @property
     def tokens(self) -> int:
         """Tokens indexed now (for /metrics)."""
-        with self._lock:
-            return sum(self._indexed.values())
+        return self._total
 
     @property
     def sequences(self) -> int:
@@ -62,17 +62,23 @@ class SuffixStore:
             self._next_id += 1
             self._seqs[sid] = tokens
             self._indexed[sid] = 0
+            self._index_new(sid)
+            self._evict()
             return sid
 
     def draft(self, context: Sequence[int], max_len: int, max_spec_factor: float = 1.0,
-              min_share: float = 0.3) -> tuple[list[int], int]:
+              min_share: float = 0.3, sid: int | None = None) -> tuple[list[int], int]:
         """Up to max_len tokens predicted to follow `context`, and the match length they came
-        from ([] and 0 without a match of key_len tokens)."""
+        from ([] and 0 without a match of key_len tokens). sid: the caller's own growing sequence,
+        the only one whose new tokens need indexing now (each drafter indexes its own as it
+        drafts); None: index every sequence's."""
         k = self.key_len
         if max_len <= 0 or len(context) < k:
             return [], 0
         with self._lock:
-            self._refresh()
+            for grown in (self._seqs if sid is None else [sid] if sid in self._seqs else []):
+                self._index_new(grown)
+            self._evict()
             places = self._index.get(tuple(context[-k:]))
             if not places:
                 return [], 0
@@ -106,32 +112,36 @@ class SuffixStore:
             n += 1
         return n
 
-    def _refresh(self) -> None:
-        """Index the new tokens of every sequence, then evict the oldest past the budget."""
+    def _index_new(self, sid: int) -> None:
+        """Index the places of sequence sid that gained a continuation token since last time."""
+        k, seq = self.key_len, self._seqs[sid]
+        done, upto = self._indexed[sid], len(seq) - 1  # a place needs a continuation token
+        for end in range(max(done, k), upto + 1):
+            places = self._index.get(key := tuple(seq[end - k : end]))
+            if places is None:
+                places = self._index[key] = collections.deque(maxlen=self.max_candidates)
+            places.append((sid, end))
+        if upto + 1 > done:
+            self._indexed[sid] = upto + 1
+            self._total += upto + 1 - done
+
+    def _evict(self) -> None:
+        """Drop the oldest sequences, and their places, while the store is past its budget."""
         k = self.key_len
-        for sid, seq in self._seqs.items():
-            done, upto = self._indexed[sid], len(seq) - 1  # a place needs a continuation token
-            for end in range(max(done, k), upto + 1):
-                key = tuple(seq[end - k : end])
-                places = self._index.get(key)
-                if places is None:
-                    places = self._index[key] = collections.deque(maxlen=self.max_candidates)
-                places.append((sid, end))
-            self._indexed[sid] = max(done, upto + 1)
-        total = sum(self._indexed.values())
-        while total > self.max_tokens and len(self._seqs) > 1:
+        while self._total > self.max_tokens and len(self._seqs) > 1:
             sid, seq = self._seqs.popitem(last=False)
             indexed = self._indexed.pop(sid)
-            total -= indexed
+            self._total -= indexed
             for end in range(k, indexed):
-                places = self._index.get(tuple(seq[end - k : end]))
+                key = tuple(seq[end - k : end])
+                places = self._index.get(key)
                 if places is not None:
                     try:
                         places.remove((sid, end))
                     except ValueError:
                         pass  # already pushed out by newer places
                     if not places:
-                        del self._index[tuple(seq[end - k : end])]
+                        del self._index[key]
 
 
 _stores: dict[tuple, SuffixStore] = {}
@@ -164,12 +174,12 @@ class SuffixDraft:
     def begin(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         self._vocab = ctx.adapter.lm_head.out_features
-        self.store.add(ctx.committed)  # this request's prompt and output, for it and every later one
+        self.sid = self.store.add(ctx.committed)  # this request's prompt and output, for it and every later one
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
         device = self.ctx.adapter.device
         tokens, self.match_len = self.store.draft(self.ctx.committed, min(self.draft_len, max_len),
-                                                  self.max_spec_factor, self.min_share)
+                                                  self.max_spec_factor, self.min_share, self.sid)
         draft = torch.tensor(tokens, dtype=torch.long, device=device)
         if self.ctx.sampling.greedy or not tokens:
             return Draft(tokens=draft)

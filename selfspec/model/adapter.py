@@ -189,12 +189,17 @@ class ModelAdapter:
             torch._dynamo.mark_static_address(cache.values)
         return cache
 
-    def runs_siblings(self, rows: int) -> bool:
-        """Whether a forward of `rows` rows can take sibling rows (run_layers' siblings=True): the
-        fused layer runs it (eager lean step, the kernel built, at most its ROWS rows)."""
+    def runs_fused(self, rows: int) -> bool:
+        """Whether the fused layer runs a forward of `rows` rows (eager lean step, the kernel built,
+        at most its ROWS rows): each row's arithmetic is then its own, whatever the rows beside it."""
         from selfspec.native import fused_layer
 
         return self.step is not None and self.step.fused is not None and rows <= fused_layer.ROWS
+
+    def runs_siblings(self, rows: int) -> bool:
+        """Whether a forward of `rows` rows can take sibling rows (run_layers' siblings=True): only
+        in the fused layer."""
+        return self.runs_fused(rows)
 
     # -- the three entry points -------------------------------------------------------------
 
