@@ -113,6 +113,13 @@ def weight_bytes(hf_model: torch.nn.Module) -> dict[str, int]:
 INT4_GROUP = 32
 
 
+def default_int4_layout() -> str:
+    """The layout Int4Linear.quantize picks: $SELFSPEC_INT4_LAYOUT if set ("blocks" runs selfspec's
+    4-bit kernel, for A/B), else "int4pack"; "int4pack" where selfspec's kernel does not run."""
+    layout = os.environ.get("SELFSPEC_INT4_LAYOUT") or "int4pack"
+    return layout if layout != "blocks" or gemv.available() else "int4pack"
+
+
 class Int4Linear(torch.nn.Module):
     """y = x · Wᵀ (+ bias), W [out, in] as 4-bit groups of 32 with a bfloat16 scale and zero each,
     in one of two layouts (`layout`):
@@ -145,10 +152,8 @@ class Int4Linear(torch.nn.Module):
         if out % 16 or inp % group:
             raise ValueError(f"int4 needs output sizes divisible by 16 and input sizes by {group}; this model has a "
                              f"{out}x{inp} projection (use --dtype int8)")
-        if layout is None:  # $SELFSPEC_INT4_LAYOUT=blocks runs selfspec's 4-bit kernel (for A/B)
-            layout = os.environ.get("SELFSPEC_INT4_LAYOUT") or "int4pack"
-        if layout == "blocks" and not (group == 32 and gemv.available()):
-            layout = "int4pack"  # the kernel does not run here
+        if layout is None:
+            layout = default_int4_layout() if group == 32 else "int4pack"
         g = w.detach().float().view(out, inp // group, group)
         low, high = g.amin(-1), g.amax(-1)
         scale = ((high - low) / 15).clamp(min=1e-8).to(dtype)
