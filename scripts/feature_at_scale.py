@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from selfspec.heads import draft_head  # noqa: E402
 from selfspec.api import load  # noqa: E402
 from selfspec.tools.bench import load_prompts  # noqa: E402
-from selfspec.tools.calibrate import TOP, held_out_prompts  # noqa: E402
+from selfspec.tools.calibrate.data import TOP, held_out_prompts  # noqa: E402
 from selfspec.tools.feature_calibrate import Student  # noqa: E402
 from selfspec.heads.feature_head import FeatureHead, load_feature_head, save_feature_head, shipped_path  # noqa: E402
 

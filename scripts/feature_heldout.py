@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from selfspec.api import load  # noqa: E402
 from selfspec.tools.bench import load_prompts  # noqa: E402
-from selfspec.tools.calibrate import held_out_prompts  # noqa: E402
+from selfspec.tools.calibrate.data import held_out_prompts  # noqa: E402
 from selfspec.tools.context_calibrate import alpha_by_position  # noqa: E402
 from selfspec.tools.feature_calibrate import DEPTH, Batches, Student, drafted_runs, feature_data  # noqa: E402
 from selfspec.heads.feature_head import load_feature_head, shipped_path  # noqa: E402

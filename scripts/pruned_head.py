@@ -29,7 +29,7 @@ import torch
 
 import selfspec
 from selfspec.tools.bench import load_prompts, machine
-from selfspec.tools.calibrate import self_distillation
+from selfspec.tools.calibrate.data import self_distillation
 from selfspec.heads.draft_head import PrunedHead, count_tokens, coverage, load_ranking, rank_tokens
 from selfspec.tools.tune.costs import measure_costs
 from selfspec.tools.tune.trace import exit_states, trace

@@ -16,7 +16,8 @@ from tiny_models import VOCAB, tiny_checkpoint_with_prompts, tiny_model
 
 import selfspec
 from selfspec.api import EXACT_ROWS
-from selfspec.tools.calibrate import save, self_distillation
+from selfspec.tools.calibrate import save
+from selfspec.tools.calibrate.data import self_distillation
 from selfspec.cli import main
 from selfspec.tools.context_calibrate import (
     Sequences,

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
-from selfspec.tools.calibrate import (Sequence, calibrate, distill_loss, save, self_distillation, teacher_force,
-                                train_exit_adapter)
+from selfspec.tools.calibrate import calibrate, save
+from selfspec.tools.calibrate.data import Sequence, self_distillation, teacher_force
+from selfspec.tools.calibrate.exit_adapter import train_exit_adapter
+from selfspec.tools.calibrate.loss import distill_loss
 from selfspec.core.speculation import Resolved, Speculation
 from selfspec.drafters import EarlyExit, make_drafter
 from selfspec.heads.exit_adapter import (SECTION, ExitAdapter, default_path, load_exit_adapter, read_header,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from lossless import PROMPT, assert_greedy_lossless, assert_sampling_matches_target
 
-from selfspec.tools.calibrate import held_out_prompts
+from selfspec.tools.calibrate.data import held_out_prompts
 from selfspec import Speculation
 from selfspec.drafters import make_drafter
 from selfspec.drafters.feature import FeatureDraft

@@ -11,10 +11,10 @@ import torch
 import selfspec
 from lossless import assert_greedy_lossless
 from selfspec.cli import main
-from selfspec.tools.train import (
-    Batch, Exits, Recipe, active_exits, dropout_rates, exit_forward, exit_scales, exit_weights, prepare,
-    read_data, save, train,
-)
+from selfspec.tools.train import Recipe, prepare, save, train
+from selfspec.tools.train.data import Batch, read_data
+from selfspec.tools.train.exits import Exits, exit_forward
+from selfspec.tools.train.recipe import active_exits, dropout_rates, exit_scales, exit_weights
 from tiny_models import VOCAB, tiny_model, tiny_tokenizer
 
 

@@ -1,6 +1,6 @@
 """`selfspec calibrate --head context`: train a context head (selfspec.heads.context_head) per exit layer k.
 
-The data and the loss are the exit adapter's (selfspec.tools.calibrate: the model's own greedy
+The data and the loss are the exit adapter's (selfspec.tools.calibrate.data, .loss: the model's own greedy
 continuations of the prompts, teacher top-64, the coarsened KL), kept as sequences: each prompt's
 exit states in position order from position 0, since every position is context for the later
 ones. Plain text windows are sequences of their own, training only. The split is by prompt, the
@@ -31,18 +31,10 @@ import torch
 from tqdm import tqdm
 
 from selfspec.heads import draft_head
-from selfspec.tools.calibrate import (
-    Calibration,
-    Positions,
-    Trained,
-    adamw_cosine,
-    descend,
-    distill_loss,
-    held_out_prompts,
-    self_distillation,
-    teacher_force,
-    text_windows,
-)
+from selfspec.tools.calibrate.data import Positions, held_out_prompts, self_distillation, teacher_force, text_windows
+from selfspec.tools.calibrate.loss import distill_loss
+from selfspec.tools.calibrate.result import Calibration, Trained
+from selfspec.tools.optim import adamw_cosine, descend
 from selfspec.heads.context_head import ContextHead
 from selfspec.heads.draft_head import PrunedHead
 
@@ -233,7 +225,7 @@ def calibrate_context(model, prompts: list, *, texts: list[str] = (), exit_layer
                       holdout: float = 0.1, seed: int = 0, train_vocab: int | None = None,
                       generate_batch: int = 32, progress: bool = True) -> ContextCalibration:
     """Train one context head per k in `exit_layers` on the model's own greedy continuations of
-    `prompts` plus `texts` (plain text, training only). Nothing is saved: see calibrate.save."""
+    `prompts` plus `texts` (plain text, training only). Nothing is saved: see selfspec.tools.calibrate.save."""
     from selfspec.tools.calibrate import default_exit_layers
 
     adapter = model.adapter

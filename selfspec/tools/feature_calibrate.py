@@ -7,7 +7,7 @@ every position. Every position is both context and an example; α is reported on
 positions of held-out prompts (split by prompt, seeded).
 
 Loss, per example position t (its input: h_L(t-1) and x_t): KL from the model's distribution at t
-(top 64 plus "everything else", selfspec.tools.calibrate.distill_loss) to the draft's, through the pruned
+(top 64 plus "everything else", selfspec.tools.calibrate.loss) to the draft's, through the pruned
 draft head in float32, plus `regression` × smooth-L1 between the RMS-normalised predicted and true
 h_L(t): it keeps the prediction usable as the next draft step's input.
 
@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from selfspec.heads import draft_head
-from selfspec.tools.calibrate import TOP, adamw_cosine, descend, distill_loss, held_out_prompts, text_windows
+from selfspec.tools.calibrate.data import TOP, held_out_prompts, text_windows
+from selfspec.tools.calibrate.loss import distill_loss
+from selfspec.tools.optim import adamw_cosine, descend
 from selfspec.tools.context_calibrate import MISSING, alpha_by_position
 from selfspec.heads.feature_head import FeatureHead
 
