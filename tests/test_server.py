@@ -321,3 +321,52 @@ def _up(url: str) -> bool:
 
 def _metric(text: str, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_metrics_by_method_and_source_equal_the_responses_own_stats():
+    """After requests with different methods, /metrics' drafting counters labelled by method and
+    by source add up to what each response's usage said; replicas' figures add up too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from selfspec.serve import metrics
+
+    running = Running(tiny_served(), max_batch=2, speculation=Speculation("ar"))
+    try:
+        prompt = "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"  # repeats: lookup and suffix find matches
+        usages = []
+        for method in ("ar", "lookup", "suffix", "suffix", "hybrid"):
+            body = {"model": running.name, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                    "selfspec": {"method": method}}
+            usages.append(httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()["usage"]["selfspec"])
+        samples = {}
+        for family in text_string_to_metric_families(httpx.get(running.url + "/metrics").text):
+            for s in family.samples:
+                samples[s.name, tuple(sorted(s.labels.items()))] = s.value
+        expected = {}  # (method, source) -> counts
+        for usage in usages:
+            assert sum(c["rounds"] for c in usage["sources"].values()) == usage["rounds"]
+            for source, counts in usage["sources"].items():
+                mine = expected.setdefault((usage["method"], source), {"rounds": 0, "drafted": 0, "accepted": 0})
+                for key in mine:
+                    mine[key] += counts[key]
+        assert {m for m, _ in expected} == {"ar", "lookup", "suffix", "hybrid"}
+        assert ("suffix", "suffix") in expected and ("ar", "ar") in expected
+        names = {"rounds": "verify_rounds_total", "drafted": "draft_tokens_total", "accepted": "accepted_tokens_total"}
+        for key, name in names.items():
+            assert samples["selfspec_" + name, ()] == sum(c[key] for c in expected.values())
+            for (method, source), counts in expected.items():
+                assert samples[f"selfspec_source_{name}", (("method", method), ("source", source))] == counts[key]
+            for method in {m for m, _ in expected}:
+                total = sum(c[key] for (m, _), c in expected.items() if m == method)
+                assert samples["selfspec_" + name, (("method", method),)] == total
+        drafted = sum(c["drafted"] for (m, s), c in expected.items() if m == "suffix")
+        draft_rounds = sum(c["rounds"] for (m, s), c in expected.items() if m == "suffix" and s != "ar")
+        assert samples["selfspec_mean_draft_length", (("method", "suffix"),)] == pytest.approx(drafted / draft_rounds)
+        assert samples["selfspec_mean_draft_length", (("method", "ar"),)] == 0
+
+        own = metrics.snapshot(running.app.state.server)  # two replicas with these figures: twice them in all
+        text = metrics.render({"a": own, "b": own}).decode()
+        assert f'selfspec_draft_tokens_total{{method="suffix"}} {2.0 * drafted}' in text
+        assert f'selfspec_draft_tokens_total{{method="suffix",replica="a"}} {float(drafted)}' in text
+    finally:
+        running.close()

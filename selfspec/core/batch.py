@@ -27,7 +27,7 @@ from selfspec.model.adapter import ModelAdapter
 from selfspec.core.draft import Drafter
 from selfspec.core.engine import Decoding, verify_forward, verify_rows
 from selfspec.core.sampling import SamplingParams
-from selfspec.core.stats import GenerationStats
+from selfspec.core.stats import GenerationStats, add_counts
 
 log = logging.getLogger("selfspec.scheduler")
 
@@ -83,6 +83,9 @@ class Totals:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    # Each request's GenerationStats.by_source, by its method: {method: {source: {"rounds",
+    # "drafted", "accepted"}}}. Replaced, never changed in place, as /metrics reads it from another thread.
+    by_method: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -289,6 +292,8 @@ class Scheduler:
         t.timed_out += request.timed_out
         for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "draft_s", "prefill_s"):
             setattr(t, name, getattr(t, name) + getattr(s, name))
+        if s.by_source:
+            t.by_method = add_counts(t.by_method, {s.method: s.by_source})
         try:
             request.on_done(error)
         except Exception:  # noqa: BLE001 - the owner's callback failing must not end the loop

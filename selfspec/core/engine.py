@@ -183,8 +183,8 @@ class Decoding:
             self.cache.move(self.start + 1 + verdict.sibling, self.start + 1)
         self.cache.rewind(self.start + 1 + verdict.n_accepted)
         drafted = 1 if draft.siblings else len(draft)
-        self.stats.record_round(drafted, verdict.n_accepted)
         drafter = getattr(self.drafter, "drafted_by", self.drafter.name) if drafted else None
+        self.stats.record_round(drafted, verdict.n_accepted, drafter)
         self.drafter.observe(verdict.n_accepted)
         return self._commit(verdict.tokens, drafted, verdict.n_accepted, drafter)
 

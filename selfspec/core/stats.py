@@ -44,11 +44,21 @@ class GenerationStats:
     # as predicted (hits), and rounds predicted otherwise, drafted as usual (misses).
     speculation_hits: int = 0
     speculation_misses: int = 0
+    # The rounds, drafted and accepted tokens above by the source that drafted each round: the
+    # drafter's name (a hybrid's: the one it asked that round, e.g. "suffix" or "feature"); "ar"
+    # for rounds with no draft. {source: {"rounds", "drafted", "accepted"}}
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, source: str | None = None) -> None:
+        """source: the drafter that drafted this round (None: this generation's method)."""
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
+        counts = self.by_source.setdefault((source or self.method) if n_drafted else "ar",
+                                           {"rounds": 0, "drafted": 0, "accepted": 0})
+        counts["rounds"] += 1
+        counts["drafted"] += n_drafted
+        counts["accepted"] += n_accepted
         grow = n_drafted - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
@@ -69,6 +79,7 @@ class GenerationStats:
                      "prefill_s", "draft_s", "verify_s", "wall_s", "search_s", "searches",
                      "speculation_hits", "speculation_misses"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.by_source = add_counts(self.by_source, other.by_source)
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
             mine += [0] * (len(theirs) - len(mine))
             for i, count in enumerate(theirs):
@@ -138,3 +149,12 @@ class GenerationStats:
             tried = self.speculation_hits + self.speculation_misses
             parts.insert(-1, f"speculation hits {self.speculation_hits}/{tried}")
         return " | ".join(parts)
+
+
+def add_counts(a: dict, b: dict) -> dict:
+    """a + b, key by key, for nested dicts of numbers (by_source and its totals); a new dict, so a
+    reader in another thread never sees one being changed."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = add_counts(out.get(key, {}), value) if isinstance(value, dict) else out.get(key, 0) + value
+    return out

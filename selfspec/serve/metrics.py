@@ -4,6 +4,11 @@ A server's state is first read into a plain, picklable `snapshot` (numbers only)
 in other processes (selfspec.serve.replicas) can send theirs to one place. `render` turns snapshots into
 the exposition: one process's figures unlabelled; several replicas' each labelled `replica`, plus
 an unlabelled sample for all of them together, so one query reads the whole server either way.
+
+Drafting figures (drafted and accepted tokens, rounds, α, tokens per round, draft length) are also
+given per method (label `method`, the request's), and in `selfspec_source_*` per method and source
+(label `source`: the drafter that drafted each round, e.g. a suffix request's "suffix" match or
+"feature" head token; "ar" for rounds with no draft), from each request's GenerationStats.by_source.
 """
 
 from __future__ import annotations
@@ -13,6 +18,34 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from selfspec.core.stats import add_counts
+
+
+def _rates(c: dict) -> dict:
+    """Ratios of one set of drafting counts ({"rounds", "drafted", "accepted", "draft_rounds"})."""
+    return {"alpha": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
+            "per_round": (c["accepted"] + c["rounds"]) / c["rounds"] if c["rounds"] else 0.0,
+            "draft_len": c["drafted"] / c["draft_rounds"] if c["draft_rounds"] else 0.0}
+
+
+def _source_counts(source: str, c: dict) -> dict:
+    return {**c, "draft_rounds": 0 if source == "ar" else c["rounds"]}
+
+
+def by_method(s: dict) -> dict[str, dict]:
+    """Each method's drafting counts, its sources summed; draft_rounds: its rounds that drafted."""
+    out = {}
+    for method, sources in s.get("by_method", {}).items():
+        total = {"rounds": 0, "drafted": 0, "accepted": 0, "draft_rounds": 0}
+        for source, c in sources.items():
+            total = add_counts(total, _source_counts(source, c))
+        out[method] = total
+    return out
+
+
+def _draft_rounds(s: dict) -> int:
+    return sum(c["draft_rounds"] for c in by_method(s).values())
 
 
 def _age(s: dict) -> float:
@@ -41,6 +74,8 @@ GAUGES = [
      lambda s: s["accepted"] / s["drafted"] if s["drafted"] else 0.0),
     ("mean_accepted_length", "Tokens committed per verify round, bonus included",
      lambda s: (s["accepted"] + s["rounds"]) / s["rounds"] if s["rounds"] else 0.0),
+    ("mean_draft_length", "Draft tokens per round that drafted (γ as used, after each drafter's own limits)",
+     lambda s: s["drafted"] / _draft_rounds(s) if _draft_rounds(s) else 0.0),
     ("batch_rows_mean", "Mean rows per batched verify forward", lambda s: s["rows"] / s["steps"] if s["steps"] else 0.0),
     ("queue_depth", "Requests waiting for a row", lambda s: s["queue_depth"]),
     ("active_rows", "Requests being decoded", lambda s: s["active_rows"]),
@@ -49,6 +84,16 @@ GAUGES = [
      lambda s: s.get("suffix_tokens", 0)),
     ("suffix_store_sequences", "Prompts and answers the suffix stores hold", lambda s: s.get("suffix_sequences", 0)),
 ]
+
+# The families above also given per method and per source: name -> value of one set of counts.
+DRAFTING = {
+    "draft_tokens": lambda c: c["drafted"],
+    "accepted_tokens": lambda c: c["accepted"],
+    "verify_rounds": lambda c: c["rounds"],
+    "acceptance_rate": lambda c: _rates(c)["alpha"],
+    "mean_accepted_length": lambda c: _rates(c)["per_round"],
+    "mean_draft_length": lambda c: _rates(c)["draft_len"],
+}
 
 
 def snapshot(server) -> dict:
@@ -67,9 +112,8 @@ def combine(snapshots: list[dict]) -> dict:
     total = {"at": now, "rejected": {}}
     for s in snapshots:
         for key, value in s.items():
-            if key == "rejected":
-                for reason, n in value.items():
-                    total["rejected"][reason] = total["rejected"].get(reason, 0) + n
+            if isinstance(value, dict):  # rejected by reason, by_method
+                total[key] = add_counts(total.get(key, {}), value)
             elif key not in ("at", "oldest_active_s"):
                 total[key] = total.get(key, 0) + value
     total["oldest_active_s"] = max((_age(s) for s in snapshots), default=0.0)
@@ -96,6 +140,22 @@ class _Collector:
                 family = kind(f"selfspec_{name}", doc)
                 for replica, s in self.samples:
                     family.add_sample(family.name + suffix, _labels(replica), value(s))
+                if name in DRAFTING:
+                    for replica, s in self.samples:
+                        for method, counts in sorted(by_method(s).items()):
+                            family.add_sample(family.name + suffix, {"method": method, **_labels(replica)},
+                                              DRAFTING[name](counts))
+                yield family
+        for kind, suffix, table in ((CounterMetricFamily, "_total", COUNTERS), (GaugeMetricFamily, "", GAUGES)):
+            for name, doc, _ in table:
+                if name not in DRAFTING:
+                    continue
+                family = kind(f"selfspec_source_{name}", f"{doc}, by method and the source that drafted each round")
+                for replica, s in self.samples:
+                    for method, sources in sorted(s.get("by_method", {}).items()):
+                        for source, counts in sorted(sources.items()):
+                            family.add_sample(family.name + suffix, {"method": method, "source": source, **_labels(replica)},
+                                              DRAFTING[name](_source_counts(source, counts)))
                 yield family
         rejected = CounterMetricFamily("selfspec_requests_rejected", "Requests refused before decoding")
         for replica, s in self.samples:

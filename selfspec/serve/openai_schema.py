@@ -152,6 +152,7 @@ def usage(stats: GenerationStats) -> dict:
             "alpha": stats.alpha,
             "mean_accepted_length": stats.mean_accepted_length,
             "tokens_per_s": stats.tokens_per_s,
+            "sources": stats.by_source,  # rounds, drafted, accepted by the drafter of each round
         },
     }
 
