@@ -4,17 +4,17 @@ model they belong to: exit adapters (selfspec.heads.exit_adapter) and draft-head
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import tempfile
-import threading
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from selfspec.model.file_cache import FileCache
 
 HEADER_KEY = "selfspec"  # the safetensors metadata entry holding the JSON header
 
@@ -74,26 +74,11 @@ def check_identity(header: dict, identity, path: str | Path, what: str, remedy: 
 
 
 SHARED_MAX = 16  # distinct head files kept loaded at once (a process rarely drafts with more)
-_shared: collections.OrderedDict = collections.OrderedDict()
-_shared_lock = threading.Lock()
+_shared = FileCache(SHARED_MAX)
 
 
 def shared(loader, path: str | Path, identity):
     """`loader(path, identity)`, read from disk once and then shared while the file is unchanged
     (same size and modification time): drafting only reads a head's weights, so every drafter of a
     model (each of a server's requests) uses one copy. Training loads its own copy with the loader."""
-    resolved = Path(path).resolve()
-    if not resolved.is_file():
-        return loader(path, identity)  # which says what is missing and what to run
-    stat = resolved.stat()
-    key = (loader.__module__, loader.__qualname__, str(resolved), stat.st_mtime_ns, stat.st_size, identity)
-    with _shared_lock:
-        if key in _shared:
-            _shared.move_to_end(key)
-            return _shared[key]
-    value = loader(path, identity)
-    with _shared_lock:
-        _shared[key] = value
-        while len(_shared) > SHARED_MAX:
-            _shared.popitem(last=False)
-    return value
+    return _shared.get(path, loader, identity)

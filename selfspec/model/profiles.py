@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from selfspec.model.file_cache import FileCache
 from selfspec.native.build import cache_root
 
 FORMAT = 1
@@ -76,7 +77,7 @@ def load_profile(identity: ModelIdentity, path: str | Path | None = None) -> dic
             raise FileNotFoundError(f"no profile at {path}")
         return {}
     try:
-        data = copy.deepcopy(_read_json(str(path.resolve()), *_stamp(path)))  # callers may change their copy
+        data = copy.deepcopy(_profiles.get(path, _read_json))  # callers may change their copy
     except json.JSONDecodeError as err:
         raise ValueError(f"profile {path} is not valid JSON ({err}); delete it or run the search again") from None
     found = data.get("identity", {})
@@ -119,15 +120,10 @@ def _shipped_table() -> dict:
     return json.loads(resources.files("selfspec").joinpath("data/shipped_profiles.json").read_text())
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_mtime_ns, stat.st_size
+_profiles = FileCache(32)  # profile contents, read once while unchanged (selfspec.model.file_cache)
 
 
-@functools.lru_cache(maxsize=32)
-def _read_json(path: str, mtime_ns: int, size: int) -> dict:
-    """A profile file's contents, read once while it is unchanged (a server prepares every request
-    with its model's profile)."""
+def _read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
