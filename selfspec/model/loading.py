@@ -330,7 +330,9 @@ def convert_gguf(
         (partial / CACHE_MARKER).write_text(json.dumps({"format": CACHE_FORMAT}) + "\n")
         if fresh:
             _replace_dir(partial, target)
-        else:
+        if not converted_for(target, weights):
+            # Weights for a current directory, or another process's conversion won with weights
+            # that do not serve this load (bfloat16 for a float32 one).
             _move_weights(partial, target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
