@@ -6,24 +6,40 @@ from lossless import REPETITIVE, assert_sampling_matches_target
 from selfspec.drafters.suffix import SuffixDraft, SuffixStore, store_for
 
 
+ARCTIC = dict(max_spec_factor=1.0, max_spec_offset=0.0, seen_weight=0.0)  # one draft token per matched token
+
+
 def test_it_drafts_the_continuation_of_the_longest_match_across_sequences():
     store = SuffixStore()
     store.add([1, 2, 3, 4, 5, 6, 7, 8])
     store.add([9, 3, 4, 10, 11])
-    draft, match = store.draft([0, 2, 3, 4], max_len=8)
+    draft, match = store.draft([0, 2, 3, 4], max_len=8, **ARCTIC)
     assert (draft, match) == ([5, 6, 7], 3)  # 2 3 4 matches the first sequence; one token per matched one
     draft, match = store.draft([0, 2, 3, 4], max_len=2)
     assert draft == [5, 6]
     assert store.draft([7, 7, 7], max_len=8) == ([], 0)
 
 
-def test_the_most_frequent_continuation_wins_and_disagreement_stops_the_draft():
+def test_the_most_frequent_continuation_wins_and_low_confidence_stops_the_draft():
     store = SuffixStore()
     for tail in ([5, 6, 7], [5, 6, 8], [5, 9, 9]):
         store.add([1, 2, 3, 4] + tail)
-    assert store.draft([1, 2, 3, 4], max_len=8, min_share=0.9)[0] == [5]  # then 6 has 2 of 3
-    assert store.draft([1, 2, 3, 4], max_len=8, min_share=0.6)[0] == [5, 6]  # then 7 has 1 of 2
-    assert store.draft([1, 2, 3, 4], max_len=8, min_share=0.5)[0] == [5, 6, 7]  # then no continuation
+    assert store.draft([1, 2, 3, 4], max_len=8, min_prob=0.9)[0] == [5]  # then 6: 2 of 3, confidence 0.67
+    assert store.draft([1, 2, 3, 4], max_len=8, min_prob=0.6)[0] == [5, 6]  # then 7: 1 of 2, 0.67 · 0.5
+    assert store.draft([1, 2, 3, 4], max_len=8, min_prob=0.3)[0] == [5, 6, 7]  # then no continuation
+
+
+def test_the_allowance_grows_with_the_match_and_how_often_the_continuation_was_seen():
+    store = SuffixStore()
+    store.add(list(range(1, 13)))
+    assert store.draft([0, 2, 3, 4], 16, **ARCTIC)[0] == [5, 6, 7]  # a match of 3
+    assert store.draft([1, 2, 3, 4], 16, **ARCTIC)[0] == [5, 6, 7, 8]  # a match of 4
+    assert store.draft([0, 2, 3, 4], 16, **{**ARCTIC, "max_spec_factor": 2.0})[0] == list(range(5, 11))
+    assert store.draft([0, 2, 3, 4], 16, **{**ARCTIC, "max_spec_offset": 2.0})[0] == list(range(5, 10))
+    store.add([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13])  # the same continuation after another 2 3 4
+    assert store.draft([9, 2, 3, 4], 16, **ARCTIC)[0] == [5, 6, 7]
+    assert store.draft([9, 2, 3, 4], 16, **{**ARCTIC, "seen_weight": 2.0})[0] == [5, 6, 7, 8, 9]  # seen twice: 3 + 2
+    assert len(store.draft([9, 2, 3, 4], 4, max_spec_factor=8.0, seen_weight=8.0)[0]) == 4  # never past max_len
 
 
 def test_a_growing_sequence_is_indexed_as_it_grows():
@@ -62,6 +78,9 @@ def test_greedy_suffix_decoding_equals_plain_decoding(tiny, gamma):
     first = model.generate(prompt, drafter=SuffixDraft(store, draft_len=gamma), max_new_tokens=40)
     again = model.generate(prompt, drafter=SuffixDraft(store, draft_len=gamma), max_new_tokens=40)
     assert first.tokens == plain.tokens and again.tokens == plain.tokens
+    eager = SuffixDraft(store, draft_len=gamma, max_spec_factor=4.0, max_spec_offset=8.0, seen_weight=4.0, min_prob=0.0)
+    long = model.generate(prompt, drafter=eager, max_new_tokens=40)
+    assert long.tokens == plain.tokens and len(long.stats.drafted_at) <= gamma  # the allowance never passes γ
     assert again.stats.accepted > first.stats.accepted  # the second answer drafts from the first
     if gamma >= 8:
         assert again.stats.accepted >= 30  # most of the repeated answer came from the store
