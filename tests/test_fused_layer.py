@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/
 FUSED = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "llama_hd64"]  # every tiny architecture but phi3 (partial rotary)
 
 
-def _model(arch, dtype=torch.float32, int8=False):
-    dtype = torch.bfloat16 if int8 else dtype
+def _model(arch, dtype=torch.float32, int8=False, int4=False):
+    """A tiny model; int8 or int4 (selfspec's 4-bit blocks, which the fused layer runs) quantized."""
+    dtype = torch.bfloat16 if int8 or int4 else dtype
     if arch == "llama_hd64":  # the head sizes with their own attention code (64, 128, 256)
         from transformers import LlamaConfig
         hf = build(LlamaConfig(**{**COMMON, "head_dim": 64}), 0, dtype)
@@ -24,7 +25,14 @@ def _model(arch, dtype=torch.float32, int8=False):
         hf = tiny_model(arch, dtype=dtype)
     if int8:
         quantize_int8(hf)
+    if int4:
+        quantize_int4(hf, layout="blocks")
     return SelfSpecModel(hf)
+
+
+def _quantized(arch, dtype):
+    """_model for a dtype parameter: torch.float32, torch.bfloat16, "int8" or "int4"."""
+    return _model(arch, torch.bfloat16 if isinstance(dtype, str) else dtype, int8=dtype == "int8", int4=dtype == "int4")
 
 
 def _logits(adapter, ids, prefill):
@@ -38,9 +46,9 @@ def _logits(adapter, ids, prefill):
 
 
 @pytest.mark.parametrize("arch", FUSED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8", "int4"])
 def test_fused_layer_matches_pytorchs_lean_step(arch, dtype, path):
-    model = _model(arch, torch.bfloat16 if dtype == "int8" else dtype, int8=dtype == "int8")
+    model = _quantized(arch, dtype)
     adapter = model.adapter
     assert adapter.step.fused is not None
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
@@ -57,12 +65,12 @@ def test_fused_layer_matches_pytorchs_lean_step(arch, dtype, path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "llama_hd64"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8", "int4"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_bits_do_not_depend_on_its_neighbours_or_threads(arch, dtype, threads, path):
     """A 16-row forward (a verify) gives each row exactly what a one-row forward (an AR step) at
     that position gives it, with any thread count: greedy identity by construction."""
-    model = _model(arch, torch.bfloat16 if dtype == "int8" else dtype, int8=dtype == "int8")
+    model = _quantized(arch, dtype)
     adapter = model.adapter
     ids = torch.randint(0, VOCAB, (26,), generator=torch.Generator().manual_seed(4))
     before = torch.get_num_threads()
@@ -163,8 +171,11 @@ def test_which_models_run_fused(monkeypatch):
     assert SelfSpecModel(tiny_model("llama")).adapter.step.fused is not None
     assert SelfSpecModel(tiny_model("phi3")).adapter.step.fused is None  # partial rotary
     hf = tiny_model("llama", dtype=torch.bfloat16)
-    quantize_int4(hf)
+    quantize_int4(hf, layout="int4pack")
     assert SelfSpecModel(hf, dtype_name="int4").adapter.step.fused is None  # PyTorch's int4 kernel
+    hf = tiny_model("llama", dtype=torch.bfloat16)
+    quantize_int4(hf, layout="blocks")
+    assert SelfSpecModel(hf, dtype_name="int4").adapter.step.fused is not None  # selfspec's 4-bit blocks
     compiled = SelfSpecModel(tiny_model("llama"), lean=False)
     assert compiled.adapter.lean(compile=True, backend="eager").fused is None
     monkeypatch.setenv("SELFSPEC_FUSED", "0")

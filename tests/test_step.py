@@ -188,7 +188,10 @@ def test_int4_weights(arch, layout, monkeypatch):
         full = r.head(r.run_layers(r.embed(ids), range(6), 0, r.new_cache(12)))
     # The lean step and the general path (the HF modules, now int4 slices) agree; the int4 model
     # stays near the bfloat16 one (random tiny weights are the worst case for 4 bits).
-    torch.testing.assert_close(lean, general, atol=0.05, rtol=0.02)
+    if layout == "int4pack":
+        torch.testing.assert_close(lean, general, atol=0.05, rtol=0.02)
+    else:  # x as int8 in blocks of 32 (kernels/quant4.h): a bfloat16 difference upstream can move a step
+        assert (lean - general).abs().max() < 0.05 * general.abs().max()
     assert F.cosine_similarity(lean, full, dim=-1).min() > 0.8
     for options in DRAFTERS:
         assert_greedy_lossless(model, **options)

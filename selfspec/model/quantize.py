@@ -245,10 +245,10 @@ def _fuse_groups(layer) -> list[tuple[torch.nn.Module, list[str]]]:
     return [(attn, qkv), (attn, ["o_proj"]), (mlp, gate_up), (mlp, ["down_proj"])]
 
 
-def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP) -> int:
+def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP, layout: str | None = None) -> int:
     """Decoder-layer projections to int4 groups (fusing q/k/v and gate/up), the LM head to int8,
-    in place (the model must already be in ACTIVATION_DTYPE, on the CPU). Returns how many layer
-    projections were replaced."""
+    in place (the model must already be in ACTIVATION_DTYPE, on the CPU). layout: Int4Linear's
+    (None: default_int4_layout()). Returns how many layer projections were replaced."""
     if hf_model.dtype != ACTIVATION_DTYPE:
         raise ValueError(f"load the model in {ACTIVATION_DTYPE} before quantizing it to int4, not {hf_model.dtype}")
     if hf_model.device.type != "cpu":
@@ -261,7 +261,7 @@ def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP) -> int:
         for parent, names in _fuse_groups(layer):
             linears = [getattr(parent, name) for name in names]
             fused = Int4Linear.quantize(torch.cat([m.weight for m in linears]), ACTIVATION_DTYPE, group=group,
-                                        bias=linears[0].bias if len(linears) == 1 else None)
+                                        bias=linears[0].bias if len(linears) == 1 else None, layout=layout)
             if len(linears) == 1:
                 setattr(parent, names[0], fused)
             else:

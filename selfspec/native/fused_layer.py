@@ -14,8 +14,9 @@ draft, verify of up to ROWS rows) gives a row the same bits, with no padding to 
 prefill (more rows) runs PyTorch's path, the same for AR and speculation.
 
 Where it runs: pre-norm (Llama, Qwen2, Qwen3) and sandwich (Gemma 3) layers with SiLU or tanh-GELU,
-rotary over the whole head, bfloat16, int8 or float32 weights, eager (compiled code keeps
-`layer_forward`). int4 weights, partial rotary and other layouts keep `layer_forward`.
+rotary over the whole head, bfloat16, int8, float32 or int4 weights (selfspec's 4-bit blocks,
+kernels/quant4.h), eager (compiled code keeps `layer_forward`). int4 in PyTorch's int4pack layout,
+partial rotary and other layouts keep `layer_forward`.
 SELFSPEC_FUSED=0 turns it off (the tests compare both).
 """
 
@@ -28,7 +29,7 @@ import torch
 from selfspec.native import gemv
 
 ROWS = gemv.MAX_ROWS  # the most rows a fused call takes; more (a prefill) run PyTorch's path
-DTYPES = {torch.bfloat16: 0, torch.int8: 1, torch.float32: 2}  # weight dtype -> the kernel's code
+DTYPES = {torch.bfloat16: 0, torch.int8: 1, torch.float32: 2, torch.uint8: 3}  # weight dtype -> the kernel's code (uint8: 4-bit blocks)
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
@@ -42,12 +43,15 @@ def unsupported_reason(step) -> str | None:
     if shape.act not in ACTS:
         return f"activation {shape.act}"
     w = step.weights[0]
-    if w.wqkv.dtype not in DTYPES or w.wqkv.dtype not in gemv.WEIGHTS.get(adapter.dtype, ()):
+    blocks = w.wqkv.dtype == torch.uint8 and w.wqkv.dim() == 3 and adapter.dtype == torch.bfloat16
+    if w.wqkv.dtype == torch.uint8 and not blocks:
+        return "int4 weights in PyTorch's int4pack layout (the fused layer takes selfspec's 4-bit blocks)"
+    if not blocks and (w.wqkv.dtype not in DTYPES or w.wqkv.dtype not in gemv.WEIGHTS.get(adapter.dtype, ())):
         return f"{w.wqkv.dtype} weights with {adapter.dtype} activations"
     if any(cos.shape[-1] != shape.head_dim or cos.dtype != adapter.dtype or not cos.is_contiguous()
            for cos, _ in adapter.rope_tables().values()) or shape.head_dim % 16:
         return "partial rotary or a head size that is not a multiple of 16"
-    if step.weights[0].wo.shape[0] % 8 or step.weights[0].wd.shape[1] % 8:
+    if w.wo.shape[0] % 8 or (w.wd.shape[1] * 32 if blocks else w.wd.shape[1]) % 8:
         return "a hidden or MLP size that is not a multiple of 8"
     if any(t is not None and not t.is_contiguous() for lw in step.weights
            for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd, lw.bqkv, *lw.scales, *lw.norms, *lw.qk_norms)):

@@ -92,6 +92,13 @@ def vnni(path: str) -> bool:
     return path == "avx512" and {"avx512_vnni", "avx512bw"} <= _cpu_flags() and os.environ.get("SELFSPEC_VNNI", "1") != "0"
 
 
+def int4_vnni(path: str) -> bool:
+    """Whether the 4-bit products (kernels/quant4.h) run on AVX512-VNNI's 512-bit integer dot
+    products (any AVX-512 path of a CPU with AVX512-VNNI); else on AVX2's. The two round a row's
+    float sums in different orders; each is exact across row counts."""
+    return path != "avx2" and {"avx512f", "avx512_vnni", "avx512bw"} <= _cpu_flags()
+
+
 @functools.cache
 def _cpuinfo(field: str) -> list[str]:
     """The words of /proc/cpuinfo's first `field` line (empty where there is none), read once a process."""
@@ -163,6 +170,7 @@ def _build():
     flags += ["-mavx512f", "-mavx512bf16"] if path in ("pairs", "amx") else []
     flags += ["-mavx512f", "-DSELFSPEC_AVX512"] if path == "avx512" else []
     flags += ["-mavx512bw", "-mavx512vnni", "-DSELFSPEC_VNNI"] if vnni(path) else []
+    flags += ["-mavx512bw", "-mavx512vnni"] if int4_vnni(path) and not vnni(path) else []
     flags += ["-mamx-tile", "-mamx-bf16", "-DSELFSPEC_AMX"] if path == "amx" else []
     sources = [SOURCE, *(SOURCE.with_name(name) for name in PARTS)]
     text = b"".join(path.read_bytes() for path in [*sources, *(SOURCE.with_name(name) for name in HEADERS)])

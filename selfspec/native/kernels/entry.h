@@ -44,14 +44,15 @@ int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x
                        long N, long K, int R, int R_out, int threads, float* scratch);
 
 // y [R_out, N] = x [R, K] · Wᵀ (+ bias [N]) for W as 4-bit blocks of 32 (quant4.h: Q [N, K / 32, 16] nibbles,
-// S [N, K / 32, 2] bfloat16 scale and zero); bfloat16 x, bias and y; scratch: float32 for R rows of x.
+// S [N, K / 32, 2] bfloat16 scale and zero); bfloat16 x, bias and y.
 int selfspec_int4_gemv(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* y,
-                       long N, long K, int R, int R_out, int threads, float* scratch);
+                       long N, long K, int R, int R_out, int threads);
 // The same blocks as float32 W [N, K], each weight the value the products use.
 int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, float* W, long N, long K, int threads);
 
 // One decoder layer over h [n, hidden] in place (layer.h). dtype: 0 bfloat16 weights, 1 int8 weights
-// (bfloat16 activations), 2 float32 throughout. kc, vc: the layer's cache [kv_heads, capacity, head_dim].
+// (bfloat16 activations), 2 float32 throughout, 3 4-bit blocks (quant4.h; bfloat16 activations, the
+// scales' pointers then point at each matrix's [N, K / 32, 2] scales and zeros). kc, vc: the layer's cache [kv_heads, capacity, head_dim].
 int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window, const void* cos,
                    const void* sin, void* kc, void* vc, long capacity, int do_attn, int do_mlp, int threads,
                    int siblings);

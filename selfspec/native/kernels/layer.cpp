@@ -3,7 +3,7 @@
 // the tensors and calls it.
 #include "layer.h"
 
-// dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16 activations), 2 float32 throughout.
+// dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16 activations), 2 float32 throughout, 3 4-bit blocks.
 int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window,
                               const void* cos, const void* sin, void* kc, void* vc, long capacity, int do_attn,
                               int do_mlp, int threads, int siblings) {
@@ -13,6 +13,8 @@ int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, l
                                    capacity, do_attn, do_mlp, threads, siblings);
         case 1: return layer<int8_t, B>(*d, *w, (B*)h, n, start, window, (const B*)cos, (const B*)sin, (B*)kc,
                                         (B*)vc, capacity, do_attn, do_mlp, threads, siblings);
+        case 3: return layer<uint8_t, B>(*d, *w, (B*)h, n, start, window, (const B*)cos, (const B*)sin, (B*)kc,
+                                         (B*)vc, capacity, do_attn, do_mlp, threads, siblings);
         case 2: return layer<float, float>(*d, *w, (float*)h, n, start, window, (const float*)cos, (const float*)sin,
                                            (float*)kc, (float*)vc, capacity, do_attn, do_mlp, threads, siblings);
     }

@@ -12,7 +12,7 @@
 // layer stays within rounding of the HF modules; E is bfloat16 (uint16 bits) or float.
 #pragma once
 #include "entry.h"  // Dims, Weights
-#include "product.h"
+#include "quant4.h"
 
 #include <algorithm>
 #include <cmath>
@@ -76,11 +76,14 @@ static void residual(E* h, const E* a, long dim) {
     for (long i = 0; i < dim; i += 8) store8f(h + i, _mm256_add_ps(load8f(h + i), load8f(a + i)));
 }
 
-// y [n, N] = x [n, K] · Wᵀ (product.h).
+// y [n, N] = x [n, K] · Wᵀ (product.h; 4-bit blocks, T = uint8_t: quant4.h, `scale` their scales and zeros).
 template <typename T, typename E>
 static void linear(const void* W, const E* x, const uint16_t* scale, const void* bias, E* y, long N, long K, int n,
                    int threads, float* X) {
-    product<T, E>((const T*)W, x, scale, (const E*)bias, y, N, K, n, n, threads, X);
+    if constexpr (std::is_same_v<T, uint8_t>)
+        int4::product((const uint8_t*)W, scale, x, (const uint16_t*)bias, y, N, K, n, n, threads);
+    else
+        product<T, E>((const T*)W, x, scale, (const E*)bias, y, N, K, n, n, threads, X);
 }
 
 // Rotary embedding of one head's row in place (head_dim % 16 == 0), as HF's

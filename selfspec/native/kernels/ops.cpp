@@ -68,12 +68,14 @@ void* cache_layer(const Tensor& t, const char* name, at::ScalarType dtype, int64
     return (char*)t.data_ptr() + layer * t.stride(0) * t.element_size();
 }
 
-at::ScalarType weight_dtype(const Tensor& x, const Tensor& w) {
+// blocks: 4-bit blocks (uint8, quant4.h) are taken too (the fused layer; the int4 products have their own op).
+at::ScalarType weight_dtype(const Tensor& x, const Tensor& w, bool blocks = false) {
     const auto xt = x.scalar_type(), wt = w.scalar_type();
     TORCH_CHECK(xt == at::kBFloat16 || xt == at::kFloat, "activations must be bfloat16 or float32, got ", xt);
-    TORCH_CHECK(xt == at::kBFloat16 ? (wt == at::kBFloat16 || wt == at::kChar) : wt == at::kFloat,
-                "weights of dtype ", wt, " with ", xt, " activations: bfloat16 takes bfloat16 or int8 weights, float32 "
-                "takes float32");
+    TORCH_CHECK(xt == at::kBFloat16 ? (wt == at::kBFloat16 || wt == at::kChar || (blocks && wt == at::kByte))
+                                    : wt == at::kFloat,
+                "weights of dtype ", wt, " with ", xt, " activations: bfloat16 takes bfloat16 or int8 weights",
+                blocks ? " or 4-bit blocks (uint8)" : "", ", float32 takes float32");
     return wt;
 }
 
@@ -134,7 +136,7 @@ Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::
     Tensor y = at::empty({R_out, N}, x.options());
     const int status = selfspec_int4_gemv((const uint8_t*)q.data_ptr(), (const uint16_t*)sz.data_ptr(),
                                           (const uint16_t*)x.data_ptr(), (const uint16_t*)b, (uint16_t*)y.data_ptr(),
-                                          N, K, (int)R, (int)R_out, at::get_num_threads(), scratch(R * K));
+                                          N, K, (int)R, (int)R_out, at::get_num_threads());
     TORCH_CHECK(status == 0, "the 4-bit product kernel refused ", R, " rows (status ", status, ")");
     return y;
 }
@@ -163,11 +165,14 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
         return *weights[i];
     };
     const Tensor &wqkv = get(0, "wqkv"), &wo = get(2, "wo"), &wgu = get(3, "wgu"), &wd = get(4, "wd");
-    TORCH_CHECK(x.dim() == 2 && wqkv.dim() == 2 && wd.dim() == 2 && keys.dim() == 5,
-                "x [n, hidden], 2-D weights and a 5-D cache, got ", x.sizes(), ", ", wqkv.sizes(), ", ", wd.sizes(),
-                " and ", keys.sizes());
-    const auto E = x.scalar_type(), T = weight_dtype(x, wqkv);
-    const int64_t n = x.size(0), H = x.size(1), nkv = keys.size(2), hd = keys.size(4), I = wd.size(1);
+    const auto E = x.scalar_type(), T = weight_dtype(x, wqkv, true);
+    const bool int8 = T == at::kChar, int4 = T == at::kByte;  // int4: [out, in / 32, 16] blocks (quant4.h)
+    const int64_t wdim = int4 ? 3 : 2;
+    TORCH_CHECK(x.dim() == 2 && wqkv.dim() == wdim && wd.dim() == wdim && keys.dim() == 5,
+                "x [n, hidden], ", wdim, "-D weights and a 5-D cache, got ", x.sizes(), ", ", wqkv.sizes(), ", ",
+                wd.sizes(), " and ", keys.sizes());
+    const int64_t n = x.size(0), H = x.size(1), nkv = keys.size(2), hd = keys.size(4);
+    const int64_t I = int4 ? wd.size(1) * 32 : wd.size(1);
     const int64_t qdim = heads * hd, qkv_dim = (heads + 2 * nkv) * hd;
     TORCH_CHECK(1 <= n && n <= kMaxRows, "the fused layer takes 1..", kMaxRows, " rows, got ", n);
     TORCH_CHECK(heads >= 1 && nkv >= 1 && heads % nkv == 0, heads, " heads do not group over ", nkv, " KV heads");
@@ -184,18 +189,33 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
     TORCH_CHECK(start + n <= capacity, "positions ", start, "..", start + n - 1, " overrun the cache's ", capacity);
     check_rope(cos, "cos", E, hd, start + n);
     check_rope(sin, "sin", E, hd, start + n);
-    check(wqkv, "wqkv", T, {qkv_dim, H});
-    check(wo, "wo", T, {H, qdim});
-    check(wgu, "wgu", T, {2 * I, H});
-    check(wd, "wd", T, {H, I});
-    const bool int8 = T == at::kChar;
     Weights w{};
+    if (int4) {
+        TORCH_CHECK(H % 32 == 0 && qdim % 32 == 0 && I % 32 == 0, "4-bit blocks of 32 need hidden ", H, ", ", qdim,
+                    " and MLP ", I, " sizes that are multiples of 32");
+        // (weight, its scales and zeros, output rows, inputs): the blocks [N, K / 32, 16], the scales [N, K / 32, 2]
+        const Tensor* ws[] = {&wqkv, &wo, &wgu, &wd};
+        const int64_t sizes[][2] = {{qkv_dim, H}, {H, qdim}, {2 * I, H}, {H, I}};
+        const char* names[] = {"wqkv", "wo", "wgu", "wd"};
+        const char* scale_names[] = {"sqkv", "so", "sgu", "sd"};
+        const uint16_t** scales[] = {&w.sqkv, &w.so, &w.sgu, &w.sd};
+        for (int i = 0; i < 4; i++) {
+            check(*ws[i], names[i], T, {sizes[i][0], sizes[i][1] / 32, 16});
+            *scales[i] = (const uint16_t*)optional_ptr(weights[5 + i], true, scale_names[i], at::kBFloat16,
+                                                       {sizes[i][0], sizes[i][1] / 32, 2});
+        }
+    } else {
+        check(wqkv, "wqkv", T, {qkv_dim, H});
+        check(wo, "wo", T, {H, qdim});
+        check(wgu, "wgu", T, {2 * I, H});
+        check(wd, "wd", T, {H, I});
+        w.sqkv = (const uint16_t*)optional_ptr(weights[5], int8, "sqkv", at::kBFloat16, {qkv_dim});
+        w.so = (const uint16_t*)optional_ptr(weights[6], int8, "so", at::kBFloat16, {H});
+        w.sgu = (const uint16_t*)optional_ptr(weights[7], int8, "sgu", at::kBFloat16, {2 * I});
+        w.sd = (const uint16_t*)optional_ptr(weights[8], int8, "sd", at::kBFloat16, {H});
+    }
     w.wqkv = wqkv.data_ptr(), w.wo = wo.data_ptr(), w.wgu = wgu.data_ptr(), w.wd = wd.data_ptr();
     w.bqkv = optional_ptr(weights[1], weights[1].has_value(), "bqkv", E, {qkv_dim});
-    w.sqkv = (const uint16_t*)optional_ptr(weights[5], int8, "sqkv", at::kBFloat16, {qkv_dim});
-    w.so = (const uint16_t*)optional_ptr(weights[6], int8, "so", at::kBFloat16, {H});
-    w.sgu = (const uint16_t*)optional_ptr(weights[7], int8, "sgu", at::kBFloat16, {2 * I});
-    w.sd = (const uint16_t*)optional_ptr(weights[8], int8, "sd", at::kBFloat16, {H});
     w.norm_in = optional_ptr(weights[9], true, "norm_in", E, {H});
     w.norm_attn = optional_ptr(weights[10], sandwich, "norm_attn", E, {H});
     w.norm_ff = optional_ptr(weights[11], true, "norm_ff", E, {H});
@@ -203,7 +223,7 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
     w.q_norm = optional_ptr(weights[13], qk_norm, "q_norm", E, {hd});
     w.k_norm = optional_ptr(weights[14], qk_norm, "k_norm", E, {hd});
     const Dims d{H, heads, nkv, hd, I, (float)eps, (float)scale, (int)act, sandwich, qk_norm, 1};
-    const int dtype = T == at::kBFloat16 ? 0 : int8 ? 1 : 2;
+    const int dtype = T == at::kBFloat16 ? 0 : int8 ? 1 : int4 ? 3 : 2;
     const int status = selfspec_layer(&d, &w, dtype, x.data_ptr(), (int)n, start, window, cos.data_ptr(),
                                       sin.data_ptr(), kc, vc, capacity, attn, mlp, at::get_num_threads(), siblings);
     TORCH_CHECK(status == 0, "the fused layer refused ", n, " rows at position ", start, " (status ", status, ")");

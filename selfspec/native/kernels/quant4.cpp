@@ -4,8 +4,8 @@
 #include "quant4.h"
 
 int selfspec_int4_gemv(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* y,
-                       long N, long K, int R, int R_out, int threads, float* scratch) {
-    return int4::product(Q, S, x, bias, y, N, K, R, R_out, threads, scratch);
+                       long N, long K, int R, int R_out, int threads) {
+    return int4::product(Q, S, x, bias, y, N, K, R, R_out, threads);
 }
 
 int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, float* W, long N, long K, int threads) {
