@@ -45,7 +45,8 @@ def _assert_same(fresh, cached):
     assert fresh.generation_config.to_dict() == cached.generation_config.to_dict()
 
 
-@pytest.mark.parametrize("arch, mode", [("llama", "int4"), ("qwen2", "int4"), ("llama", "int8"), ("qwen2", "int8")])
+@pytest.mark.parametrize("arch, mode", [("llama", "int4"), ("qwen2", "int4"), ("llama", "int8"), ("qwen2", "int8"),
+                                        ("gemma3_text", "int4"), ("phi3", "int4")])
 def test_read_back_equals_freshly_quantized(tmp_path, monkeypatch, arch, mode):
     ckpt = _checkpoint(tmp_path / f"tiny-{arch}", arch)
     cache = tmp_path / "cache"
@@ -56,7 +57,7 @@ def test_read_back_equals_freshly_quantized(tmp_path, monkeypatch, arch, mode):
     cached = load_quantized(str(ckpt), mode, cache=cache, progress=False)
     _assert_same(fresh.model, cached.model)
     assert not cached.model.training and cached.model.config._attn_implementation == "sdpa"
-    if mode == "int4":
+    if mode == "int4" and arch != "phi3":  # phi3's q/k/v are one projection already
         attn = cached.model.model.layers[0].self_attn
         assert isinstance(attn.q_proj, Int4Slice) and attn.q_proj.fused is attn.k_proj.fused is attn.v_proj.fused
         assert isinstance(attn.o_proj, Int4Linear)
@@ -100,6 +101,17 @@ def test_another_key_or_changed_checkpoint_quantizes_again(tmp_path, monkeypatch
     assert home(ckpt, cache) != path.parent
     load_quantized(str(ckpt), "int8", cache=cache, progress=False)
     assert calls == [1, 1]
+
+
+def test_an_unwritable_cache_still_loads(tmp_path, monkeypatch):
+    ckpt = _checkpoint(tmp_path / "tiny", "llama")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(quantized_cache, "write", refuse)
+    loaded = load_quantized(str(ckpt), "int4", cache=tmp_path / "cache", progress=False)
+    assert isinstance(loaded.model.lm_head, Int8Linear)
 
 
 def _fake_gguf_conversion(tmp_path, monkeypatch, arch="llama"):

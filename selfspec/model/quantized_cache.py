@@ -93,7 +93,11 @@ def load_quantized(
         start = time.perf_counter()
         QUANTIZERS[mode](loaded.model)
         model = loaded.model
-        saved = write(model, path, mode)
+        try:
+            saved = write(model, path, mode)
+        except OSError as err:  # a read-only or full cache: run without saving
+            print(f"could not save the {mode} model to {path}: {err}", file=sys.stderr)
+            saved = False
         if progress:
             where = f", saved to {path} ({path.stat().st_size / 1e9:.2f} GB)" if saved else ""
             print(f"quantized {loaded.name} to {mode} in {time.perf_counter() - start:.0f} s{where}", file=sys.stderr)
