@@ -466,8 +466,11 @@ def load_hf(
         )
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=display_name(name_or_path, path), path=path)
 
+
+def display_name(name_or_path: str | None, checkpoint: Path) -> str:
+    """A bundled model's name, a GGUF file's stem, else the checkpoint directory's name."""
     bundled = _bundled(name_or_path or DEFAULT_MODEL)
     source = Path(name_or_path or "")
-    name = bundled.name if bundled else source.stem if source.suffix == ".gguf" else path.name
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path)
+    return bundled.name if bundled else source.stem if source.suffix == ".gguf" else checkpoint.name

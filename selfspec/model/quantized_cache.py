@@ -29,10 +29,10 @@ from selfspec.model import quantize as quantize_module
 from selfspec.model.loading import (
     DEFAULT_MODEL,
     LoadedModel,
-    _bundled,
     _quiet,
     conversion_target,
     converted_for,
+    display_name,
     drop_weights,
     is_converted,
     load_hf,
@@ -89,26 +89,24 @@ def load_quantized(
     path = home(checkpoint, cache) / file_name(mode)
     model = read(path, checkpoint, mode)
     if model is None:
-        loaded = load_hf(name_or_path, dtype=ACTIVATION_DTYPE, cache=cache, progress=progress)
+        model = load_hf(name_or_path, dtype=ACTIVATION_DTYPE, cache=cache, progress=progress).model
+        if progress:
+            print(f"quantizing {display_name(name_or_path, checkpoint)} to {mode} (once) into {path}", file=sys.stderr)
         start = time.perf_counter()
-        QUANTIZERS[mode](loaded.model)
-        model = loaded.model
+        QUANTIZERS[mode](model)
         try:
             saved = write(model, path, mode)
         except OSError as err:  # a read-only or full cache: run without saving
             print(f"could not save the {mode} model to {path}: {err}", file=sys.stderr)
             saved = False
-        if progress:
-            where = f", saved to {path} ({path.stat().st_size / 1e9:.2f} GB)" if saved else ""
-            print(f"quantized {loaded.name} to {mode} in {time.perf_counter() - start:.0f} s{where}", file=sys.stderr)
+        if progress and saved:
+            size = path.stat().st_size / 1e9
+            print(f"quantized and saved in {time.perf_counter() - start:.0f} s ({size:.2f} GB)", file=sys.stderr)
         if saved and not keep_dense:
             drop_weights(checkpoint)  # written only to quantize from; the file above is what runs
     with _quiet(True):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    bundled = _bundled(name_or_path)
-    source = Path(name_or_path)
-    name = bundled.name if bundled else source.stem if source.suffix == ".gguf" else checkpoint.name
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=checkpoint)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=display_name(name_or_path, checkpoint), path=checkpoint)
 
 
 def home(checkpoint: Path, cache: Path | None = None) -> Path:
