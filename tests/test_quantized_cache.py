@@ -191,3 +191,19 @@ def test_an_older_cache_format_converts_again(tmp_path, monkeypatch):
     assert path == target and calls == [torch.bfloat16] and loading.is_converted(target)
     assert stored_dtype(target) == torch.bfloat16 and not (target / "stale").exists()
     assert sorted(p.name for p in cache.iterdir()) == [target.name]
+
+
+@pytest.mark.real
+def test_smollm2_int4_cache_equals_quantizing_its_bfloat16_weights(tmp_path):
+    """The bundled model end to end (two conversions, ~1 min on 2 cores): an int4 load keeps the
+    int4 file and no dense weights; a later one equals int4 of a bfloat16 load, bit for bit."""
+    from selfspec.model.quantize import quantize_int4
+
+    load_quantized("smollm2", "int4", cache=tmp_path, progress=False)
+    target = tmp_path / "SmolLM2-135M-Instruct"
+    assert stored_dtype(target) is None and (target / file_name("int4")).is_file()
+    cached = load_quantized("smollm2", "int4", cache=tmp_path, progress=False)
+    dense = loading.load_hf("smollm2", dtype=torch.bfloat16, cache=tmp_path, progress=False)
+    assert stored_dtype(target) == torch.bfloat16
+    quantize_int4(dense.model)
+    _assert_same(dense.model, cached.model)
