@@ -41,6 +41,11 @@ def _assert_same(fresh, cached):
             assert a[name].dtype == b[name].dtype and a[name].device == b[name].device, name
             assert torch.equal(a[name], b[name]), name
             assert a[name].requires_grad == b[name].requires_grad, name
+    pairs = zip(fresh.named_modules(remove_duplicate=False), cached.named_modules(remove_duplicate=False))
+    for (name, a), (_, b) in pairs:  # plain attributes too (sizes, slice bounds, training)
+        plain = [k for k, v in vars(a).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)
+                 and not callable(v)]
+        assert {k: getattr(a, k) for k in plain} == {k: getattr(b, k, None) for k in plain}, name
     assert fresh.config.to_dict() == cached.config.to_dict()
     assert fresh.generation_config.to_dict() == cached.generation_config.to_dict()
 

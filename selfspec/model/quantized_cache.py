@@ -94,6 +94,7 @@ def load_quantized(
             print(f"quantizing {display_name(name_or_path, checkpoint)} to {mode} (once) into {path}", file=sys.stderr)
         start = time.perf_counter()
         QUANTIZERS[mode](model)
+        model.eval()  # the new modules too, as a read-back model is
         try:
             saved = write(model, path, mode)
         except OSError as err:  # a read-only or full cache: run without saving
