@@ -75,6 +75,15 @@ def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it(path):
         torch.set_num_threads(threads)
 
 
+def test_a_row_holding_an_infinity_gives_nan_and_leaves_the_others_alone(path):
+    linear, g = _blocks(32, 160, seed=2)
+    x = torch.randn(3, 160, generator=g).bfloat16()
+    clean = gemv.int4_linear(x, linear.packed, linear.scales_zeros)
+    x[1, 100] = float("inf")
+    got = gemv.int4_linear(x, linear.packed, linear.scales_zeros)
+    assert torch.isnan(got[1]).all() and torch.equal(got[0], clean[0]) and torch.equal(got[2], clean[2])
+
+
 def test_both_layouts_hold_the_same_weights():
     w = torch.randn(32, 128) * 0.05
     blocks = Int4Linear.quantize(w, torch.bfloat16, layout="blocks")

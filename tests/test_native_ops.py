@@ -164,6 +164,35 @@ def test_fused_layer_refuses_a_wrong_dtype(ops):
         _refused(ops.fused_layer, args, **change)
 
 
+def _int4_layer_args():
+    """_layer_args with 4-bit blocks (kernels/quant4.h): each weight [N, K / 32, 16] uint8 and its
+    scales and zeros [N, K / 32, 2] bfloat16 in the scales' places."""
+    from selfspec.model.quantize import Int4Linear
+
+    args = _layer_args()
+    weights = list(args["weights"])
+    for i in (0, 2, 3, 4):
+        blocks = Int4Linear.quantize(weights[i].float(), torch.bfloat16, layout="blocks")
+        weights[i], weights[5 + (0, None, 1, 2, 3)[i]] = blocks.packed, blocks.scales_zeros
+    return {**args, "weights": weights}
+
+
+def test_fused_layer_takes_4_bit_blocks_and_refuses_them_wrong(ops):
+    args = _int4_layer_args()
+    x = args["x"].clone()
+    ops.fused_layer(**args)
+    assert not torch.equal(args["x"], x) and torch.isfinite(args["x"].float()).all()
+    w = args["weights"]
+    for change in [_with_weight(args, 5, None),                            # blocks without their scales
+                   _with_weight(args, 6, w[6].float()),                    # float32 scales
+                   _with_weight(args, 8, torch.cat([w[8], w[8]], 1)),       # wd's scales for more blocks
+                   _with_weight(args, 7, w[7][: w[7].shape[0] // 2].contiguous()),  # scales for fewer rows
+                   _with_weight(args, 3, w[3][: w[3].shape[0] // 2].contiguous()),  # wgu of another MLP size
+                   _with_weight(args, 0, w[0].view(w[0].shape[0], -1)),     # 2-D blocks
+                   _with_weight(args, 2, _bf(H, HEADS * HD))]:              # a bfloat16 weight among blocks
+        _refused(ops.fused_layer, args, **change)
+
+
 def test_fused_layer_refuses_a_non_contiguous_tensor(ops):
     args = _layer_args()
     for change in [dict(x=_strided(args["x"])), _with_weight(args, 0, _strided(args["weights"][0])),

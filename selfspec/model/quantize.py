@@ -227,9 +227,15 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
             live = rows.shape[0] if live is None else live
             y = gemv.int4_linear(rows[:live], packed, scales_zeros, bias, rows_out=rows.shape[0])
         else:
-            # A prefill (or float32 rows): each weight on the grid the kernel uses, in float32.
-            w = gemv.int4_dequantize(packed, scales_zeros) if gemv.available() else dequantize_blocks(packed, scales_zeros)
-            y = torch.nn.functional.linear(rows.float(), w, None if bias is None else bias.float()).to(x.dtype)
+            # A prefill (or float32 rows): the weights dequantized for a GEMM, in bfloat16 where the
+            # CPU computes it natively (AVX512-BF16, AMX), else in float32. The decode rows' x as
+            # int8 is not this: a prefill's numbers are its own, the same for AR and every drafter.
+            native = x.dtype == torch.bfloat16 and gemv.native_bfloat16() and gemv.available()
+            if native:
+                y = torch.nn.functional.linear(rows, gemv.int4_dequantize(packed, scales_zeros, torch.bfloat16), bias)
+            else:
+                w = gemv.int4_dequantize(packed, scales_zeros) if gemv.available() else dequantize_blocks(packed, scales_zeros)
+                y = torch.nn.functional.linear(rows.float(), w, None if bias is None else bias.float()).to(x.dtype)
         return y.view(*shape[:-1], packed.shape[0])
     group = packed.shape[1] * 2 // scales_zeros.shape[0]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, group, scales_zeros)

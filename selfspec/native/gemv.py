@@ -286,9 +286,12 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.
                                            rows_out)
 
 
-def int4_dequantize(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """W [out, in] float32 from its 4-bit blocks, each weight the value int4_linear uses."""
-    return _STATE["lib"].int4_dequantize.default(q, sz)
+def int4_dequantize(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [out, in] float32 (or bfloat16, each value rounded once) from its 4-bit blocks: (q - 8) ·
+    scale + zero."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the 4-bit blocks dequantize to float32 or bfloat16, not {dtype}")
+    return _STATE["lib"].int4_dequantize.default(q, sz, dtype == torch.bfloat16)
 
 
 @torch.library.custom_op("selfspec::int4_gemv", mutates_args=())

@@ -47,8 +47,8 @@ int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x
 // S [N, K / 32, 2] bfloat16 scale and zero); bfloat16 x, bias and y.
 int selfspec_int4_gemv(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* y,
                        long N, long K, int R, int R_out, int threads);
-// The same blocks as float32 W [N, K], each weight the value the products use.
-int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, float* W, long N, long K, int threads);
+// The same blocks as W [N, K], float32 (or bfloat16 bits where bfloat16 != 0), each weight (q - 8) · scale + zero.
+int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, void* W, int bfloat16, long N, long K, int threads);
 
 // One decoder layer over h [n, hidden] in place (layer.h). dtype: 0 bfloat16 weights, 1 int8 weights
 // (bfloat16 activations), 2 float32 throughout, 3 4-bit blocks (quant4.h; bfloat16 activations, the

@@ -141,13 +141,13 @@ Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::
     return y;
 }
 
-Tensor int4_dequantize(const Tensor& q, const Tensor& sz) {
+Tensor int4_dequantize(const Tensor& q, const Tensor& sz, bool bfloat16) {
     TORCH_CHECK(q.dim() == 3, "q must be [out, in / 32, 16] (4-bit blocks of 32), got ", q.sizes());
     const int64_t N = q.size(0), K = q.size(1) * 32;
     check_int4(q, sz, K);
-    Tensor w = at::empty({N, K}, q.options().dtype(at::kFloat));
+    Tensor w = at::empty({N, K}, q.options().dtype(bfloat16 ? at::kBFloat16 : at::kFloat));
     const int status = selfspec_int4_dequantize((const uint8_t*)q.data_ptr(), (const uint16_t*)sz.data_ptr(),
-                                                (float*)w.data_ptr(), N, K, at::get_num_threads());
+                                                w.data_ptr(), bfloat16, N, K, at::get_num_threads());
     TORCH_CHECK(status == 0, "the 4-bit dequantizer refused a ", N, "x", K, " matrix (status ", status, ")");
     return w;
 }
@@ -306,7 +306,7 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
           "Tensor(b!) values, Tensor(c!)? logits, int heads, float eps, float scale, float final_eps, float softcap, "
           "bool final_gemma, int start) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int? rows_out=None) -> Tensor");
-    m.def("int4_dequantize(Tensor q, Tensor sz) -> Tensor");
+    m.def("int4_dequantize(Tensor q, Tensor sz, bool bfloat16=False) -> Tensor");
     m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
     m.impl("int4_gemv", c10::DispatchKey::CPU, TORCH_FN(int4_gemv));
     m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(int4_dequantize));

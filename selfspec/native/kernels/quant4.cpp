@@ -8,6 +8,6 @@ int selfspec_int4_gemv(const uint8_t* Q, const uint16_t* S, const uint16_t* x, c
     return int4::product(Q, S, x, bias, y, N, K, R, R_out, threads);
 }
 
-int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, float* W, long N, long K, int threads) {
-    return int4::dequantize(Q, S, W, N, K, threads);
+int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, void* W, int bfloat16, long N, long K, int threads) {
+    return bfloat16 ? int4::dequantize(Q, S, (uint16_t*)W, N, K, threads) : int4::dequantize(Q, S, (float*)W, N, K, threads);
 }

@@ -238,8 +238,10 @@ static int product(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const
     return 0;
 }
 
-// W as float32 [N, K], each weight the value the products use (for prefills, which run a GEMM).
-static int dequantize(const uint8_t* Q, const uint16_t* S, float* W, long N, long K, int threads) {
+// W [N, K] as float32 (or bfloat16, each value rounded once), each weight (q - 8) · scale + zero
+// (for prefills, which run a GEMM).
+template <typename E>
+static int dequantize(const uint8_t* Q, const uint16_t* S, E* W, long N, long K, int threads) {
     if (K % BLOCK) return 1;
     const long nb = K / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -247,11 +249,11 @@ static int dequantize(const uint8_t* Q, const uint16_t* S, float* W, long N, lon
         for (long b = 0; b < nb; b++) {
             const long blk = j * nb + b;
             const float scale = bf16_to_float(S[2 * blk]), zero = bf16_to_float(S[2 * blk + 1]);
-            float* w = W + j * K + b * BLOCK;
+            E* w = W + j * K + b * BLOCK;
             for (int i = 0; i < 16; i++) {
                 const uint8_t byte = Q[blk * 16 + i];
-                w[i] = fmaf((float)((byte & 15) - 8), scale, zero);
-                w[i + 16] = fmaf((float)((byte >> 4) - 8), scale, zero);
+                store(w, i, fmaf((float)((byte & 15) - 8), scale, zero));
+                store(w, i + 16, fmaf((float)((byte >> 4) - 8), scale, zero));
             }
         }
     return 0;
