@@ -35,9 +35,9 @@ constexpr int CHUNK = 4;        // blocks per 64 bytes of nibbles
 constexpr int Q_AHEAD = 2048;   // bytes of nibbles (and a quarter as many of scales) prefetched ahead
 
 // One row of x, prepared: per chunk c of four blocks (the last one zero-padded), xl [64] int8 holding
-// block 4c + i's elements 0-15 at 16i.., xh [64] its elements 16-31; for each 32-bit lane l of a
-// 64-byte vector (block 4c + l / 4, elements 4 (l % 4) .. + 3 of xl and xh), d [16] the block's dx
-// and t [16] dx · the sum of xq over the lane's 8 elements.
+// block 4c + i's elements 0-15 at 16i.., xh [64] its elements 16-31; d [16] the dx of each 32-bit
+// lane l of a 64-byte vector (block 4c + l / 4); t [8] (-8 T, T) for each block, T = dx · its sum
+// of xq, so that the blocks' (scale, zero) pairs times t are Σ (zero - 8 · scale) · dx · Σ xq.
 struct Prepared {
     long chunks;
     const int8_t *xl, *xh;
@@ -45,16 +45,16 @@ struct Prepared {
 };
 
 static inline long chunks_of(long K) { return (K / BLOCK + CHUNK - 1) / CHUNK; }
-static constexpr long PREPARED_BYTES = 256;  // per chunk: xl, xh, d, t
+static constexpr long PREPARED_BYTES = 224;  // per chunk: xl, xh (64 bytes each), d (16 floats), t (8)
 
-// Row x [K] (bfloat16 bits) into `out` (chunks_of(K) · 256 bytes). A block holding a NaN or an
+// Row x [K] (bfloat16 bits) into `out` (chunks_of(K) · PREPARED_BYTES bytes). A block holding a NaN or an
 // infinity gets dx NaN, so the row's outputs are NaN, as the float products give.
 static Prepared prepare(const uint16_t* x, long K, uint8_t* out) {
     const long C = chunks_of(K), nb = K / BLOCK;
     int8_t* xl = (int8_t*)out;
     int8_t* xh = xl + 64 * C;
     float* d = (float*)(xh + 64 * C);
-    float* t = d + 16 * C;
+    float* t = d + 16 * C;  // 8 a chunk
     memset(out, 0, C * PREPARED_BYTES);
     for (long b = 0; b < nb; b++) {
         const uint16_t* xb = x + b * BLOCK;
@@ -72,12 +72,11 @@ static Prepared prepare(const uint16_t* x, long K, uint8_t* out) {
             lo[e] = (int8_t)std::nearbyint(v[e] * inv);  // round half to even, as cvtps2dq
             hi[e] = (int8_t)std::nearbyint(v[e + 16] * inv);
         }
-        for (int p = 0; p < 4; p++) {
-            int sum = 0;
-            for (int e = 4 * p; e < 4 * p + 4; e++) sum += lo[e] + hi[e];
-            d[16 * c + 4 * i + p] = dx;
-            t[16 * c + 4 * i + p] = dx * (float)sum;
-        }
+        int sum = 0;
+        for (int e = 0; e < 16; e++) sum += lo[e] + hi[e];
+        for (int p = 0; p < 4; p++) d[16 * c + 4 * i + p] = dx;
+        t[8 * c + 2 * i] = -8.f * (dx * (float)sum);
+        t[8 * c + 2 * i + 1] = dx * (float)sum;
     }
     return Prepared{C, xl, xh, d, t};
 }
@@ -95,11 +94,10 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
     const long nb = K / BLOCK, C = X[0].chunks;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m512i pick_scale = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-    const __m512i pick_zero = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-    const __m512 minus8 = _mm512_set1_ps(-8.f);
-    __m512 dot[J][R], off[J][R];
+    __m512 dot[J][R];
+    __m256 off[J][R];  // the zeros' term: (scale, zero) pairs times t's (-8 T, T)
     for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) dot[u][r] = off[u][r] = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) dot[u][r] = _mm512_setzero_ps(), off[u][r] = _mm256_setzero_ps();
     for (long c = 0; c < C; c++) {
         const long left = nb - c * CHUNK;  // blocks in this chunk: 4, or 1-3 in the last
         const __mmask64 qmask = left >= CHUNK ? ~0ull : (1ull << (16 * left)) - 1;
@@ -115,19 +113,19 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
             const __m512 sz = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(smask, S + 2 * blk))), 16));
             const __m512 scale = _mm512_permutexvar_ps(pick_scale, sz);
-            const __m512 base = _mm512_fmadd_ps(scale, minus8, _mm512_permutexvar_ps(pick_zero, sz));  // zero - 8 scale
+            const __m256 pairs = _mm512_castps512_ps256(sz);
             for (int r = 0; r < R; r++) {
                 __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(X[r].xl + 64 * c));
                 acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(X[r].xh + 64 * c));
                 const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[r].d + 16 * c));
                 dot[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), step, dot[u][r]);
-                off[u][r] = _mm512_fmadd_ps(base, _mm512_loadu_ps(X[r].t + 16 * c), off[u][r]);
+                off[u][r] = _mm256_fmadd_ps(pairs, _mm256_loadu_ps(X[r].t + 8 * c), off[u][r]);
             }
         }
     }
     for (int u = 0; u < J; u++)
         for (int r = 0; r < R; r++) {
-            float s = hsum16(_mm512_add_ps(dot[u][r], off[u][r]));
+            float s = hsum16(dot[u][r]) + hsum(off[u][r]);
             if (bias) s += bf16_to_float(bias[j + u]);
             Y[r * N + j + u] = float_to_bf16(s);
         }
@@ -145,11 +143,10 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
     const long nb = K / BLOCK, C = X[0].chunks;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i pick_scale = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-    const __m256i pick_zero = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
-    const __m256 minus8 = _mm256_set1_ps(-8.f);
-    __m256 dot[J][R], off[J][R];
+    __m256 dot[J][R];
+    __m128 off[J][R];  // the zeros' term: (scale, zero) pairs times t's (-8 T, T)
     for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) dot[u][r] = off[u][r] = _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) dot[u][r] = _mm256_setzero_ps(), off[u][r] = _mm_setzero_ps();
     for (long c = 0; c < C; c++) {
         for (int half = 0; half < 2; half++) {
             const long first = c * CHUNK + 2 * half;  // the half's first block
@@ -169,7 +166,7 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
                 const __m256 sz = _mm256_castsi256_ps(
                     _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)sz4)), 16));
                 const __m256 scale = _mm256_permutevar8x32_ps(sz, pick_scale);
-                const __m256 base = _mm256_fmadd_ps(scale, minus8, _mm256_permutevar8x32_ps(sz, pick_zero));
+                const __m128 pairs = _mm256_castps256_ps128(sz);
                 for (int r = 0; r < R; r++) {
                     const long at = 64 * c + 32 * half;
                     const __m256i p = _mm256_add_epi16(
@@ -179,14 +176,15 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
                     const long lane = 16 * c + 8 * half;
                     const __m256 step = _mm256_mul_ps(scale, _mm256_loadu_ps(X[r].d + lane));
                     dot[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), step, dot[u][r]);
-                    off[u][r] = _mm256_fmadd_ps(base, _mm256_loadu_ps(X[r].t + lane), off[u][r]);
+                    off[u][r] = _mm_fmadd_ps(pairs, _mm_loadu_ps(X[r].t + 8 * c + 4 * half), off[u][r]);
                 }
             }
         }
     }
     for (int u = 0; u < J; u++)
         for (int r = 0; r < R; r++) {
-            float s = hsum(_mm256_add_ps(dot[u][r], off[u][r]));
+            const __m128 o = _mm_add_ps(off[u][r], _mm_movehl_ps(off[u][r], off[u][r]));
+            float s = hsum(dot[u][r]) + _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
             if (bias) s += bf16_to_float(bias[j + u]);
             Y[r * N + j + u] = float_to_bf16(s);
         }
