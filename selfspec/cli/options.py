@@ -34,15 +34,16 @@ MODEL_HELP = (
 
 
 DTYPE_HELP = (
-    "weights and activations dtype (default auto: bfloat16 on CUDA, on x86 CPUs where selfspec's product kernel "
-    "builds (AVX2 and g++) and on CPUs that compute it natively; else float32); int8: int8 weights with one scale "
-    "per output channel, bfloat16 activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), an "
-    "int8 head; lossless is relative to AR in the same dtype"
+    "weights and activations dtype (default auto: int4 for the Qwen2.5-Coder models on x86 CPUs where selfspec's "
+    "kernels build; else bfloat16 on CUDA, on x86 CPUs where selfspec's product kernel builds (AVX2 and g++) and on "
+    "CPUs that compute it natively; else float32); int8: int8 weights with one scale per output channel, bfloat16 "
+    "activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), activations as int8 in blocks of "
+    "32 for the products, an int8 head; lossless is relative to AR in the same dtype"
 )
 EXACT_HELP = (
-    "run every forward (AR step, draft, verify) in one fixed 4-row bucket, so that greedy output is bit-identical "
-    "to AR by construction on any CPU or GPU (draft length <= 3; default: on for bfloat16 and int4, off for float32 "
-    "and int8)"
+    "greedy output bit-identical to AR by construction on any CPU or GPU: where selfspec's fused layer runs, each "
+    "row's arithmetic is its own (drafts up to 15 tokens); elsewhere every forward (AR step, draft, verify) runs one "
+    "fixed 4-row bucket (drafts up to 3) (default: on for bfloat16 and int4, off for float32 and int8)"
 )
 
 
@@ -192,7 +193,7 @@ def check_model_options(args, spec: Speculation) -> None:
     n_layers = peek_layers(args.model, args.cache_dir)
     if n_layers is not None:
         spec.validate(n_layers)
-    dtype = default_dtype(args.device) if args.dtype == "auto" else args.dtype
+    dtype = default_dtype(args.device, args.model) if args.dtype == "auto" else args.dtype
     exact = default_exact(dtype) if args.exact is None else args.exact
     if exact and spec.draft_len is not None:
         check_exact_draft(spec.draft_len, exact_rows_here())  # the model's own limit is checked once loaded

