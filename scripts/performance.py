@@ -77,12 +77,19 @@ SECTIONS = [
             Source("results/gpu_h200/scale/bench_auto_t0.7.md", "SmolLM2, `auto` under sampling, temperature 0.7"),
             Source("results/gpu_h200/scale/bench_auto_t1.0.md", "SmolLM2, `auto` under sampling, temperature 1.0"),
             Source("results/fused/bench_gemma3.md", "Gemma 3 270M (its `auto` is lookup γ ≤ 3)"),
-            Source("results/fused/bench_qwen05_code.md", "Qwen2.5-Coder 0.5B, code prompts (its `auto` is lookup γ ≤ 3)"),
+            Source("results/qwen_int4/bench_qwen05_int4_blocks.md",
+                   "Qwen2.5-Coder 0.5B in int4 (its default here: selfspec's 4-bit kernel) against llama.cpp, code prompts"),
+            Source("results/fused/bench_qwen05_code.md", "Qwen2.5-Coder 0.5B in bfloat16, code prompts (lookup γ ≤ 3)"),
             Source("results/qwen_coder_05b/bench_chat.md", "Qwen2.5-Coder 0.5B, chat prompts, every method"),
-            Source("results/fused/bench_qwen15_code.md", "Qwen2.5-Coder 1.5B, code prompts (its `auto` is lookup γ ≤ 3)"),
+            Source("results/qwen_int4/bench_qwen15_int4_blocks.md",
+                   "Qwen2.5-Coder 1.5B in int4 (its default here: selfspec's 4-bit kernel) against llama.cpp, code prompts"),
+            Source("results/qwen_int4/bench_qwen15_int4pack.md",
+                   "Qwen2.5-Coder 1.5B in int4 through PyTorch's int4 kernel (`SELFSPEC_INT4_LAYOUT=int4pack`) against llama.cpp"),
+            Source("results/fused/bench_qwen15_code.md", "Qwen2.5-Coder 1.5B in bfloat16, code prompts (lookup γ ≤ 3)"),
             Source("results/qwen_coder_15b/bench_chat.md", "Qwen2.5-Coder 1.5B, chat prompts, every method"),
             Source("results/fused/bench_llamacpp_int8_noexact.md", "SmolLM2 in int8 against llama.cpp"),
-            Source("results/fused/bench_llamacpp_int4_exact.md", "SmolLM2 in int4 (the GGUF's own 4-bit grid) against llama.cpp"),
+            Source("results/qwen_int4/bench_smollm2_int4_blocks.md",
+                   "SmolLM2 in int4 (the GGUF's own 4-bit grid, selfspec's 4-bit kernel) against llama.cpp"),
         ],
         readme="results/feature_head/bench_auto.md",
         llamacpp="results/fused/bench_llamacpp_bfloat16_exact.md",
@@ -121,6 +128,12 @@ SERVING = [
     Source("results/serve/load_smollm2_replicas.md", "the same load on one process and on 1 and 2 Ray Serve replicas", load=True),
 ]
 
+STEP_COSTS = [
+    Source("results/qwen_int4/step_costs_qwen15.md", "Qwen2.5-Coder 1.5B, int4: `.venv/bin/python scripts/step_costs.py "
+           "--model qwen2.5-coder-1.5b --dtype int4 --mode exact --repeats 7`", load=True),
+    Source("results/qwen_int4/step_costs_qwen05.md", "Qwen2.5-Coder 0.5B, int4: `.venv/bin/python scripts/step_costs.py "
+           "--model qwen2.5-coder-0.5b --dtype int4 --mode exact --repeats 7`", load=True),
+]
 AGENT = [Source("results/agent_bench/smollm2_bf16.md", "SmolLM2 on agent and code-assistant sessions", load=True)]
 
 
@@ -261,6 +274,14 @@ def performance_md() -> str:
         for src in s.sources:
             t = read_table(src.path)
             out += [f"**{src.caption}.** {describe(t)}", ""] + markdown_table(t, COLUMNS) + [""]
+    out += ["## What a step and a verify cost", "",
+            "`scripts/step_costs.py` on an x86 CPU with AVX512-BF16 and no AMX: the weights one step reads, the memory "
+            "floor (those bytes ÷ the measured read bandwidth), one decode step, h (the head's share of it), v(n) (an "
+            "n-row forward ÷ one step) and c(k) (a draft through k layers ÷ one step; the linear model's estimate in "
+            "brackets), context 128.", ""]
+    for src in STEP_COSTS:
+        t = read_table(src.path)
+        out += [f"**{src.caption}.** {describe_load(t)}", ""] + markdown_table(t, t.header) + [""]
     out += ["## Serving under load", "",
             "`scripts/load_bench.py` (see [serving](serving.md)): the server in-process on a loopback port, "
             "N concurrent streaming chat clients, greedy.", ""]

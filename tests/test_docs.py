@@ -33,6 +33,7 @@ OTHER_FLAGS = {
     "--head", "--port", "--address",  # ray start
     "--reuse", "--reuse-positions", "--reuse-long", "--heads", "--shipped-vocab", "--answers-only",  # feature_at_scale.py
     "--method",  # scripts/gpu_check.py profile
+    "--mode", "--repeats",  # scripts/step_costs.py
 }
 
 
