@@ -134,7 +134,8 @@ STEP_COSTS = [
     Source("results/qwen_int4/step_costs_qwen05.md", "Qwen2.5-Coder 0.5B, int4: `.venv/bin/python scripts/step_costs.py "
            "--model qwen2.5-coder-0.5b --dtype int4 --mode exact --repeats 7`", load=True),
 ]
-AGENT = [Source("results/agent_bench/smollm2_bf16.md", "SmolLM2 on agent and code-assistant sessions", load=True)]
+AGENT = [Source("results/agent_bench/smollm2_bf16.md", "SmolLM2 on agent and code-assistant sessions", load=True),
+         Source("results/agent_bench/qwen05_int4.md", "Qwen2.5-Coder 0.5B in int4 on the same sessions", load=True)]
 
 
 @dataclass
