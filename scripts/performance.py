@@ -268,6 +268,15 @@ text departs from ours at near ties (the "near-tie divergences" in the files).
 """
 
 
+def _tables(sources: list[Source], columns: list[str] | None = None) -> list[str]:
+    """Each source's caption, its setup line and its table (`columns`, else all of the file's)."""
+    out = []
+    for src in sources:
+        t = read_table(src.path)
+        out += [f"**{src.caption}.** {describe_load(t)}", ""] + markdown_table(t, columns or t.header) + [""]
+    return out
+
+
 def performance_md() -> str:
     out = [INTRO]
     for s in SECTIONS:
@@ -280,22 +289,16 @@ def performance_md() -> str:
             "floor (those bytes ÷ the measured read bandwidth), one decode step, h (the head's share of it), v(n) (an "
             "n-row forward ÷ one step) and c(k) (a draft through k layers ÷ one step; the linear model's estimate in "
             "brackets), context 128.", ""]
-    for src in STEP_COSTS:
-        t = read_table(src.path)
-        out += [f"**{src.caption}.** {describe_load(t)}", ""] + markdown_table(t, t.header) + [""]
+    out += _tables(STEP_COSTS)
     out += ["## Serving under load", "",
             "`scripts/load_bench.py` (see [serving](serving.md)): the server in-process on a loopback port, "
             "N concurrent streaming chat clients, greedy.", ""]
-    for src in SERVING:
-        t = read_table(src.path)
-        out += [f"**{src.caption}.** {describe_load(t)}", ""] + markdown_table(t, LOAD_COLUMNS) + [""]
+    out += _tables(SERVING, LOAD_COLUMNS)
     out += ["## Agent and code-assistant traffic", "",
             "`scripts/agent_bench.py`: multi-turn sessions that repeat system prompts and tool schemas, rewrite "
             "files they were shown, quote shared documents and retry, through the server; `suffix` drafts from "
             "every earlier request.", ""]
-    for src in AGENT:
-        t = read_table(src.path)
-        out += [f"**{src.caption}.** {describe_load(t)}", ""] + markdown_table(t, t.header) + [""]
+    out += _tables(AGENT)
     return "\n".join(out).rstrip() + "\n"
 
 
