@@ -54,8 +54,10 @@ class GenerationStats:
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
-        counts = self.by_source.setdefault((source or self.method) if n_drafted else "ar",
-                                           {"rounds": 0, "drafted": 0, "accepted": 0})
+        key = (source or self.method) if n_drafted else "ar"
+        counts = self.by_source.get(key)
+        if counts is None:  # not setdefault: its default would be a new dict every round
+            counts = self.by_source[key] = {"rounds": 0, "drafted": 0, "accepted": 0}
         counts["rounds"] += 1
         counts["drafted"] += n_drafted
         counts["accepted"] += n_accepted
