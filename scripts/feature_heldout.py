@@ -8,6 +8,7 @@ each head drafts on its own predictions while its tokens agree with the model's 
 
     python scripts/calibration_prompts.py ../shared/bench/spec_bench_questions.jsonl -o train.jsonl
     python scripts/feature_heldout.py train.jsonl shipped heads/all.feature.safetensors
+    python scripts/feature_heldout.py code shipped --all --model qwen2.5-coder-1.5b --dtype int4
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("heads", nargs="+", help="feature head files; 'shipped' for the package's")
     parser.add_argument("--num-prompts", type=int, default=438)
     parser.add_argument("--holdout", type=float, default=0.1)
+    parser.add_argument("--all", action="store_true",
+                        help="every prompt is held out: a file training never saw (e.g. 'code', the bundled code prompts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
     parser.add_argument("--model", default="smollm2", help="a bundled model's name or a checkpoint (one with a chat template)")
@@ -45,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     model = load(args.model, dtype=args.dtype, progress=False)
     prompts = load_prompts(args.prompts, 10**9)[:args.num_prompts]
-    held = held_out_prompts(len(prompts), args.holdout, args.seed).tolist()
+    held = [True] * len(prompts) if args.all else held_out_prompts(len(prompts), args.holdout, args.seed).tolist()
     categories = [p.category for p, h in zip(prompts, held) if h]
     chosen = [torch.as_tensor(model.encode(p.text)) for p, h in zip(prompts, held) if h]
     t0 = time.perf_counter()

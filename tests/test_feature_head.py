@@ -58,6 +58,21 @@ def test_save_load_round_trip_and_identity_check(tiny, tmp_path):
     with pytest.raises(ProfileMismatchError, match="belongs to 'tiny-llama'"):
         load_feature_head(path, ModelIdentity("tiny-llama", "0" * 16))
 
+def test_a_head_stored_in_bfloat16_loads_as_float32_rounded_once(tiny, tmp_path):
+    model = tiny("llama")
+    head = random_head(model)
+    path = save_feature_head(head, tmp_path / "f.safetensors", model.identity, torch.arange(5), dtype=torch.bfloat16)
+    full = save_feature_head(head, tmp_path / "g.safetensors", model.identity, torch.arange(5))
+    assert read_header(path)["dtype"] == "bfloat16" and read_header(full)["dtype"] == "float32"
+    assert path.stat().st_size < 0.6 * full.stat().st_size
+    loaded, _ = load_feature_head(path, model.identity)
+    for name, tensor in head.state_dict().items():
+        assert loaded.state_dict()[name].dtype == torch.float32
+        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        save_feature_head(head, tmp_path / "h.safetensors", model.identity, torch.arange(5), dtype=torch.float16)
+
+
 
 def test_method_feature_finds_the_profiles_head_or_says_what_to_run(tiny, tmp_path):
     model = tiny("llama")
@@ -470,3 +485,24 @@ def test_feature_at_scale_answers_only_windows_end_at_the_sequence_end():
     assert flat[0].tolist() == [4, 5, 6, 7, 8]  # sequence 0's last 5 positions
     assert examples[0].tolist() == [False, True, True, True, False]  # positions 5, 6, 7 (n_prompt - 1 = 5)
     assert examples[1].tolist() == [False, True, True, False, False]  # sequence 1: positions 1, 2 of 0..3
+
+
+def test_every_shipped_head_belongs_to_a_bundled_model_and_loads():
+    """The package's heads (selfspec/data/heads): each file's header names the identity its file
+    name carries, a bundled model's, and the head loads with as many draft ids as the header says."""
+    from importlib import resources
+
+    from selfspec.model.loading import BUNDLED
+
+    shipped = sorted(resources.files("selfspec").joinpath("data/heads").iterdir(), key=lambda p: p.name)
+    heads = [p for p in shipped if p.name.endswith(".feature.safetensors")]
+    assert heads, "no feature head shipped"
+    names = {b.name for b in BUNDLED.values()}
+    for path in heads:
+        header = read_header(path)
+        identity = ModelIdentity(**header["identity"])
+        assert path.name == f"{identity.slug()}.feature.safetensors" and identity.name in names, path.name
+        head, draft_ids = load_feature_head(path, identity)
+        assert draft_ids.numel() == header["draft_vocab"] and draft_ids.unique().numel() == draft_ids.numel()
+        assert head.hidden_size == header["hidden_size"] and all(p.dtype == torch.float32 for p in head.parameters())
+        assert path.stat().st_size <= 21 * 2**20, f"{path.name}: a shipped head is at most ~20 MB"

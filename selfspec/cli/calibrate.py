@@ -181,6 +181,8 @@ def run_exit_head(args, model, prompts: list[str], setup: dict, texts: list[str]
 
 def run_feature(args, model, prompts: list[str], setup: dict, texts: list[str], extra: list[str]) -> int:
     """--head feature: the feature head, trained on the engine's own greedy decoding."""
+    import torch
+
     from selfspec.tools import feature_calibrate
 
     train_vocab = 8192 if args.train_vocab is None else args.train_vocab
@@ -193,7 +195,9 @@ def run_feature(args, model, prompts: list[str], setup: dict, texts: list[str], 
         holdout=args.holdout, seed=args.seed, progress=not args.json, data_path=args.data)
     setup.update(head="feature", heads=args.heads, sequences=args.sequences, samples=args.samples, noise=args.noise,
                  train_vocab=int(trained.draft_ids.numel()))
-    path, profile = feature_calibrate.save(trained, model.identity, args.output, setup)
+    # stored in bfloat16 where the drafter runs it so (a bfloat16 or int4 model): half the file, same drafts
+    stored = torch.bfloat16 if model.adapter.dtype == torch.bfloat16 else torch.float32
+    path, profile = feature_calibrate.save(trained, model.identity, args.output, setup, dtype=stored)
     if args.json:
         print(json.dumps({"model": model.name, **setup, **trained.summary(), "path": str(path)}))
         return 0

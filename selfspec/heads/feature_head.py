@@ -158,16 +158,19 @@ def default_path(identity: ModelIdentity, directory: str | Path | None = None) -
 
 
 def save_feature_head(head: FeatureHead, path: str | Path, identity: ModelIdentity, draft_ids: torch.Tensor,
-                      training: dict | None = None) -> Path:
-    """Write the head's weights (float32), the pruned draft head's token ids (most frequent first)
+                      training: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the head's weights (in `dtype`: float32, or bfloat16 for a model whose drafter runs
+    it in bfloat16 anyway, half the file), the pruned draft head's token ids (most frequent first)
     and the header, atomically; `training`: a summary kept in the header."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"a feature head is stored in float32 or bfloat16, not {dtype}")
     if head.parts > 1:
         raise ValueError("a feature head with fused multi-layer inputs is an experiment: the drafter cannot run it")
     b = head.block
     header = dict(format=FORMAT, identity=asdict(identity), n_layers=head.n_layers, hidden_size=head.hidden_size,
-                  width=b.width, heads=b.heads, head_dim=b.head_dim, rope_theta=b.rope_theta, dtype="float32",
-                  draft_vocab=int(draft_ids.numel()), training=training or {})
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in head.state_dict().items()}
+                  width=b.width, heads=b.heads, head_dim=b.head_dim, rope_theta=b.rope_theta,
+                  dtype=str(dtype).removeprefix("torch."), draft_vocab=int(draft_ids.numel()), training=training or {})
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in head.state_dict().items()}
     tensors[DRAFT_IDS] = draft_ids.to("cpu", torch.long).contiguous()
     return tagged_file.write(path, tensors, header)
 
@@ -186,7 +189,7 @@ def load_feature_head(path: str | Path, identity: ModelIdentity) -> tuple[Featur
     tensors = load_file(str(path))
     draft_ids = tensors.pop(DRAFT_IDS)
     head.load_state_dict(tensors, assign=True)
-    return head.eval().requires_grad_(False), draft_ids
+    return head.float().eval().requires_grad_(False), draft_ids  # float32 whatever it was stored in
 
 
 def shipped_path(identity: ModelIdentity) -> Path:

@@ -35,6 +35,7 @@ from selfspec.tools.calibrate.loss import distill_loss
 from selfspec.tools.optim import adamw_cosine, descend
 from selfspec.tools.context_calibrate import MISSING, alpha_by_position
 from selfspec.heads.feature_head import FeatureHead
+from selfspec.model.quantize import float_weight
 
 DEPTH = 4  # draft positions α is reported for
 
@@ -108,14 +109,13 @@ def text_data(model, texts: list[str], window: int = 512, progress: bool = True)
 
 class Student:
     """The draft's logits in float32: the model's final norm and the pruned (or full) head rows,
-    copied to float32 so the head trains in float32 whatever the model's dtype. The teacher's
+    dequantized where the head is int8 and copied to float32 so the head trains in float32 whatever the model's dtype. The teacher's
     tokens outside the subset are mapped to one extra column of logit MISSING (q = 0 there)."""
 
     def __init__(self, adapter, token_ids: torch.Tensor):
-        self.weight = adapter.lm_head.weight.detach()[token_ids].float()
-        if adapter.lm_head.weight.dtype == torch.int8:  # an int8 head keeps per-row scales
-            raise ValueError("calibrate the feature head on a bfloat16 or float32 model, not int8")
-        device = self.weight.device  # the model's: every tensor here lives beside its head
+        device = adapter.lm_head.weight.device
+        # dequantized where the head is int8 (int8 and int4 models): the rows the drafter will use
+        self.weight = float_weight(adapter.lm_head, token_ids.to(device)).float()  # the model's: every tensor here lives beside its head
         self.ids = token_ids.to(device)
         self.norm = copy.deepcopy(adapter.norm).float().requires_grad_(False)
         self.softcap = adapter.final_softcap
