@@ -171,7 +171,7 @@ class Scheduler:
         self.totals.steps += 1
         self.totals.rows += len(rows)
         for (request, seq, draft), target in zip(rows, logits):
-            tokens = self._guard(request, seq, seq.finish_round, draft, target, verify_s)
+            tokens = self._guard(request, seq, seq.finish_round, draft, target, verify_s, len(rows) == 1)
             if tokens is not None:
                 self._emit(request, seq, tokens)
 

@@ -22,6 +22,7 @@ from selfspec.core.draft import Draft, DraftContext, Drafter
 from selfspec.core.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from selfspec.core.stats import GenerationStats
 from selfspec.core.verifier import Verdict, verify_greedy, verify_sampling, verify_siblings
+from selfspec.core.verify_clock import clock_for
 
 
 class Round(list):
@@ -172,10 +173,14 @@ class Decoding:
             return Draft(tokens=draft.tokens[:1 if self.sampling.greedy else 0])
         return Draft(tokens=draft.tokens[:fits], siblings=True)
 
-    def finish_round(self, draft: Draft, target_logits: torch.Tensor, verify_s: float = 0.0) -> Round:
+    def finish_round(self, draft: Draft, target_logits: torch.Tensor, verify_s: float = 0.0,
+                     lone: bool = True) -> Round:
         """3. The pure verifier on the verify forward's logits [γ+1, vocab]; 4. commit or rewind:
         pending + accepted tokens are now valid at every layer; feed back. Returns the tokens to
-        emit."""
+        emit. lone: the verify forward was this sequence's alone (its seconds go to the model's
+        verify clock)."""
+        if lone:
+            clock_for(self.adapter).add(len(draft) + 1, verify_s)
         t = time.perf_counter()
         verdict = _verify(draft, target_logits, self.sampling, self.generator)
         self.stats.verify_s += verify_s + time.perf_counter() - t

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.core.draft import Draft, DraftContext
+from selfspec.drafters.draft_length import length_for
 
 DEFAULT_MAX_TOKENS = 1_000_000  # store budget: ~1M tokens of past text (tens of MB with the index)
 # The draft's allowance and confidence floor (the module's docstring): Arctic Inference's defaults.
@@ -81,13 +82,16 @@ class SuffixStore:
 
     def draft(self, context: Sequence[int], max_len: int, max_spec_factor: float = DEFAULT_FACTOR,
               max_spec_offset: float = DEFAULT_OFFSET, seen_weight: float = DEFAULT_SEEN_WEIGHT,
-              min_prob: float = DEFAULT_MIN_PROB, sid: int | None = None) -> tuple[list[int], int]:
+              min_prob: float = DEFAULT_MIN_PROB, sid: int | None = None,
+              ratios: list[float] | None = None) -> tuple[list[int], int]:
         """Up to max_len tokens predicted to follow `context`, and the match length they came
         from ([] and 0 without a match of key_len tokens). The allowance (see the module's
         docstring) is max_spec_factor · (match + seen_weight · (places agreeing - 1)) +
         max_spec_offset tokens; min_prob: the least confidence of a drafted token. sid: the
         caller's own growing sequence, the only one whose new tokens need indexing now (each
-        drafter indexes its own as it drafts); None: index every sequence's."""
+        drafter indexes its own as it drafts); None: index every sequence's. ratios: a list that
+        gains each drafted token's confidence given the tokens before it (the share of the places
+        still agreeing that continue with it)."""
         k = self.key_len
         if max_len <= 0 or len(context) < k:
             return [], 0
@@ -114,13 +118,16 @@ class SuffixStore:
                 if not counts:
                     break
                 token, count = counts.most_common(1)[0]
-                confidence *= count / len(alive)  # places that ended here count against it, as in Arctic's tree
+                share = count / len(alive)
+                confidence *= share  # places that ended here count against it, as in Arctic's tree
                 allowance = max(1.0, max_spec_factor * (best + seen_weight * (count - 1)) + max_spec_offset)
                 if confidence < min_prob or len(draft) + 1 > allowance:
                     break
                 alive = [(sid, end) for sid, end in alive
                          if end + len(draft) < len(self._seqs[sid]) and self._seqs[sid][end + len(draft)] == token]
                 draft.append(int(token))
+                if ratios is not None:
+                    ratios.append(share)
             return draft, best
 
     def _match(self, context: Sequence[int], sid: int, end: int) -> int:
@@ -181,28 +188,37 @@ class SuffixDraft:
 
     def __init__(self, store: SuffixStore, draft_len: int = 32, max_spec_factor: float = DEFAULT_FACTOR,
                  max_spec_offset: float = DEFAULT_OFFSET, seen_weight: float = DEFAULT_SEEN_WEIGHT,
-                 min_prob: float = DEFAULT_MIN_PROB):
+                 min_prob: float = DEFAULT_MIN_PROB, payoff: bool = True):
         """store: where past sequences are kept (store_for); draft_len: γ, the most tokens a round
-        (the engine lowers it further to what it may verify); the rest: the allowance and
-        confidence floor of SuffixStore.draft."""
+        (the engine lowers it further to what it may verify); max_spec_factor .. min_prob: the
+        allowance and confidence floor of SuffixStore.draft; payoff: cut each draft to the length
+        that commits the most tokens per second of verify on this machine
+        (selfspec.drafters.draft_length), else keep what the allowance gives."""
         if draft_len < 1:
             raise ValueError(f"draft length must be >= 1, got {draft_len}")
         if max_spec_factor < 0 or seen_weight < 0 or not 0 <= min_prob <= 1:
             raise ValueError("need max_spec_factor, seen_weight >= 0 and min_prob in 0..1")
-        self.store, self.draft_len = store, draft_len
+        self.store, self.draft_len, self.payoff = store, draft_len, payoff
         self.allowance = dict(max_spec_factor=max_spec_factor, max_spec_offset=max_spec_offset,
                               seen_weight=seen_weight, min_prob=min_prob)
         self.match_len = 0  # the last round's match length (0: no match)
+        self._ratios: list[float] = []  # the last draft's confidences, token by token
 
     def begin(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         self._vocab = ctx.adapter.lm_head.out_features
         self.sid = self.store.add(ctx.committed)  # this request's prompt and output, for it and every later one
+        self.length = length_for(ctx.adapter) if self.payoff else None
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
         device = self.ctx.adapter.device
+        ratios: list[float] = []
         tokens, self.match_len = self.store.draft(self.ctx.committed, min(self.draft_len, max_len),
-                                                  sid=self.sid, **self.allowance)
+                                                  sid=self.sid, ratios=ratios, **self.allowance)
+        if self.length is not None and tokens:
+            keep = self.length.choose(ratios)
+            tokens, ratios = tokens[:keep], ratios[:keep]
+        self._ratios = ratios
         draft = torch.tensor(tokens, dtype=torch.long, device=device)
         if self.ctx.sampling.greedy or not tokens:
             return Draft(tokens=draft)
@@ -211,4 +227,6 @@ class SuffixDraft:
         return Draft(tokens=draft, draft_probs=q)
 
     def observe(self, n_accepted: int) -> None:
-        pass
+        if self.length is not None and self._ratios:
+            self.length.learn(self._ratios, n_accepted)
+        self._ratios = []
