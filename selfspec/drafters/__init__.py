@@ -136,7 +136,9 @@ def _suffix(r: Resolved) -> Drafter:
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.suffix import SuffixDraft, SuffixStore
 
-    suffix = SuffixDraft(r.store if r.store is not None else SuffixStore(), **_given(r.speculation, "draft_len"))
+    payoff = os.environ.get("SELFSPEC_SUFFIX_PAYOFF", "1") != "0"  # 0: drafts as the allowance gives them (for timings)
+    suffix = SuffixDraft(r.store if r.store is not None else SuffixStore(), payoff=payoff,
+                         **_given(r.speculation, "draft_len"))
     if r.fallback != "feature":
         return suffix
     head = Speculation("feature", draft_len=1)
