@@ -8,6 +8,7 @@ Adding a drafter never touches the engine or the CLI: it adds a factory here and
 in `selfspec.core.speculation.TAKES`.
 """
 
+import os
 from collections.abc import Callable
 
 from selfspec.drafters.autoregressive import Autoregressive
