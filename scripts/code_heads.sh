@@ -12,8 +12,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${1:?usage: code_heads.sh MODEL [WORK] [calibrate options]}"
-work="${2:-heads-work}"
-shift $(( $# >= 2 ? 2 : 1 ))
+shift
+work=heads-work
+if [ $# -ge 1 ] && [ "${1#-}" = "$1" ]; then work="$1"; shift; fi  # WORK given (not an option)
 case "$model" in
   qwen2.5-coder-0.5b) settings=(--num-prompts 160 -n 128 --steps 1500); chars=300000 ;;
   qwen2.5-coder-1.5b) settings=(--num-prompts 120 -n 128 --steps 1200 --width 768); chars=100000 ;;

@@ -14,6 +14,7 @@ The machine classes and which file stands for each are listed in SECTIONS below.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -133,6 +134,12 @@ STEP_COSTS = [
            "--model qwen2.5-coder-1.5b --dtype int4 --mode exact --repeats 7`", load=True),
     Source("results/qwen_int4/step_costs_qwen05.md", "Qwen2.5-Coder 0.5B, int4: `.venv/bin/python scripts/step_costs.py "
            "--model qwen2.5-coder-0.5b --dtype int4 --mode exact --repeats 7`", load=True),
+]
+HEADS = [  # (model, prompts, the feature_heldout.py results file)
+    ("Qwen2.5-Coder 0.5B", "code (the 8 bundled code prompts)", "results/qwen_heads/heldout_code_q05b.json"),
+    ("Qwen2.5-Coder 0.5B", "chat (the 30 bundled Spec-Bench prompts)", "results/qwen_heads/heldout_chat_q05b.json"),
+    ("Qwen2.5-Coder 1.5B", "code (the 8 bundled code prompts)", "results/qwen_heads/heldout_code_q15b.json"),
+    ("Qwen2.5-Coder 1.5B", "chat (the 30 bundled Spec-Bench prompts)", "results/qwen_heads/heldout_chat_q15b.json"),
 ]
 AGENT = [Source("results/agent_bench/smollm2_bf16.md", "SmolLM2 on agent and code-assistant sessions", load=True),
          Source("results/agent_bench/qwen05_int4.md", "Qwen2.5-Coder 0.5B in int4 on the same sessions", load=True)]
@@ -277,6 +284,19 @@ def _tables(sources: list[Source], columns: list[str] | None = None) -> list[str
     return out
 
 
+def heads_table() -> list[str]:
+    """α by draft position of the shipped heads on prompts no training saw (scripts/feature_heldout.py)."""
+    out = ["| model | prompts | output positions | α at draft position 1 | 2 | 3 | 4 | file |", "|---|---|---|---|---|---|---|---|"]
+    for model, prompts, path in HEADS:
+        if not (ROOT / path).exists():
+            continue
+        result = json.loads((ROOT / path).read_text())["shipped"]
+        commit, date = _git(path)
+        alphas = " | ".join(f"{a:.3f}" for a in result["alpha"])
+        out.append(f"| {model} | {prompts} | {result['positions']} | {alphas} | [`{path}`](../{path}), {date} `{commit}` |")
+    return out
+
+
 def performance_md() -> str:
     out = [INTRO]
     for s in SECTIONS:
@@ -290,6 +310,15 @@ def performance_md() -> str:
             "n-row forward ÷ one step) and c(k) (a draft through k layers ÷ one step; the linear model's estimate in "
             "brackets), context 128.", ""]
     out += _tables(STEP_COSTS)
+    out += ["## The shipped feature heads", "",
+            "Held-out α by draft position of the heads shipped for the Qwen2.5-Coder models (trained by "
+            "`bash scripts/code_heads.sh MODEL` on standard-library code requests and source; none of these prompts "
+            "was trained on): each prompt decoded greedily in int4 by the engine, then from every output position the "
+            "head drafts on its own predictions while it agrees with the model; α at position j is the share of "
+            "rounds whose j-th draft token is accepted given the ones before it were. Command: `.venv/bin/python "
+            "scripts/feature_heldout.py code|chat shipped --all --model MODEL --dtype int4 --json FILE`; machine: "
+            "AMD EPYC, 2 cores.", ""]
+    out += heads_table() + [""]
     out += ["## Serving under load", "",
             "`scripts/load_bench.py` (see [serving](serving.md)): the server in-process on a loopback port, "
             "N concurrent streaming chat clients, greedy.", ""]

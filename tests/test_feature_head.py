@@ -352,7 +352,7 @@ def test_cli_calibrate_feature_head_then_generate_with_it(tmp_path, monkeypatch,
     assert "+ 2 extra prompts (training only)" in out
     head = next(p for p in (tmp_path / "cal").iterdir() if p.name.endswith(".feature.safetensors"))
     assert read_header(head)["draft_vocab"] == 50 and read_header(head)["training"]["samples"] == 1
-    assert read_header(head)["training"]["extra_prompts"] == 2
+    assert read_header(head)["training"]["extra_prompts"] == 2 and read_header(head)["dtype"] in ("float32", "bfloat16")
     assert main(["generate", "--model", str(ckpt), "--method", "feature", "-n", "8", "--json", "w5 w9 w12"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["method"] == "feature"
 

@@ -372,14 +372,15 @@ def load_data(path, key: dict) -> list[FeatureSequence] | None:
     return [FeatureSequence(**x) for x in kept["data"] if not any(x.get(flag) for flag in drop)]
 
 
-def save(trained: FeatureTrained, identity, directory=None, setup: dict | None = None):
-    """Write the head (feature_head.default_path, in `directory` or beside the profiles) and point
-    the model's profile at it; returns (head path, profile path)."""
+def save(trained: FeatureTrained, identity, directory=None, setup: dict | None = None, dtype=torch.float32):
+    """Write the head (feature_head.default_path, in `directory` or beside the profiles; its weights
+    in `dtype`) and point the model's profile at it; returns (head path, profile path)."""
     from selfspec.heads.feature_head import SECTION, default_path, save_feature_head
     from selfspec.model.profiles import save_section
 
     summary = {**trained.summary(), **(setup or {})}
-    path = save_feature_head(trained.head, default_path(identity, directory), identity, trained.draft_ids, summary)
+    path = save_feature_head(trained.head, default_path(identity, directory), identity, trained.draft_ids, summary,
+                             dtype=dtype)
     profile = save_section(identity, SECTION, {"path": str(path.resolve()), "alpha_after": summary["alpha_after"],
                                                "params": trained.head.n_params})
     return path, profile
