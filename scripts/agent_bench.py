@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 import threading
@@ -28,6 +29,16 @@ import uvicorn
 import selfspec
 from selfspec.core.speculation import Speculation
 from selfspec.serve.server import create_app
+
+
+def setup_line(setup: dict) -> str:
+    """The results file's first line (scripts/performance.py reads it): what ran, where, how."""
+    env = "SELFSPEC_SUFFIX_PAYOFF=1 " if os.environ.get("SELFSPEC_SUFFIX_PAYOFF") == "1" else ""
+    return (f"Setup: {setup['model']}, {setup['dtype']}, {'exact mode' if setup['exact'] else 'not exact'}; "
+            f"{setup['sessions']} sessions ({setup['turns']} turns) of selfspec/data/agent_sessions.jsonl, "
+            f"{setup['clients']} concurrent clients, max_tokens {setup['max_tokens']} per turn, greedy, one server per "
+            f"method (fresh suffix store), {setup['rounds']} round{'s' if setup['rounds'] != 1 else ''}; "
+            f"machine: {setup['cpu']}; command: {env}{setup['command']}")
 
 
 def load_sessions(path: str | None = None) -> list[dict]:
@@ -122,7 +133,7 @@ def main(argv=None) -> int:
     setup = {"model": model.name, "dtype": model.dtype_name, "exact": model.exact, "cpu": _cpu(),
              "sessions": len(sessions), "turns": sum(len(s["turns"]) for s in sessions), "clients": args.clients,
              "max_tokens": args.max_tokens, "rounds": args.rounds, "command": " ".join(["scripts/agent_bench.py", *(argv or sys.argv[1:])])}
-    print(json.dumps(setup))
+    print(setup_line(setup) + "\n")
     print("| method | tok/s | × " + methods[0] + " | α | tokens/round | answers ≠ " + methods[0] + " |")
     print("|---|---|---|---|---|---|")
     for method, r in rows.items():

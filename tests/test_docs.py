@@ -32,6 +32,7 @@ OTHER_FLAGS = {
     "--clients", "--requests", "--max-tokens",  # scripts/load_bench.py, scripts/soak.py
     "--head", "--port", "--address",  # ray start
     "--reuse", "--reuse-positions", "--reuse-long", "--heads", "--shipped-vocab", "--answers-only",  # feature_at_scale.py
+    "--all",  # feature_heldout.py
     "--method",  # scripts/gpu_check.py profile
     "--mode", "--repeats",  # scripts/step_costs.py
 }

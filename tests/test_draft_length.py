@@ -61,11 +61,11 @@ def test_the_engine_times_lone_verifies_and_the_suffix_drafter_cuts_by_them(tiny
     prompt = [3, 4, 5, 6, 7, 8, 9, 10] * 3
     ar = model.generate(prompt, method="ar", max_new_tokens=24)
     store.add(prompt + ar.tokens)
-    out = model.generate(prompt, drafter=SuffixDraft(store, draft_len=8), max_new_tokens=24)
+    out = model.generate(prompt, drafter=SuffixDraft(store, draft_len=8, payoff=True), max_new_tokens=24)
     assert out.tokens == ar.tokens
     clock = clock_for(model.adapter)
     assert clock.estimate(1) is not None and max(clock.seconds) > 1  # drafts were verified and timed
-    whole = SuffixDraft(store, draft_len=8, payoff=False)
+    whole = SuffixDraft(store, draft_len=8)  # the default: drafts whole
     assert model.generate(prompt, drafter=whole, max_new_tokens=24).tokens == ar.tokens
     assert whole.length is None
 

@@ -137,7 +137,7 @@ def _suffix(r: Resolved) -> Drafter:
     from selfspec.drafters.hybrid import Hybrid
     from selfspec.drafters.suffix import SuffixDraft, SuffixStore
 
-    payoff = os.environ.get("SELFSPEC_SUFFIX_PAYOFF", "1") != "0"  # 0: drafts as the allowance gives them (for timings)
+    payoff = os.environ.get("SELFSPEC_SUFFIX_PAYOFF", "0") == "1"  # 1: drafts cut by measured payoff (an experiment)
     suffix = SuffixDraft(r.store if r.store is not None else SuffixStore(), payoff=payoff,
                          **_given(r.speculation, "draft_len"))
     if r.fallback != "feature":

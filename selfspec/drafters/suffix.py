@@ -188,12 +188,14 @@ class SuffixDraft:
 
     def __init__(self, store: SuffixStore, draft_len: int = 32, max_spec_factor: float = DEFAULT_FACTOR,
                  max_spec_offset: float = DEFAULT_OFFSET, seen_weight: float = DEFAULT_SEEN_WEIGHT,
-                 min_prob: float = DEFAULT_MIN_PROB, payoff: bool = True):
+                 min_prob: float = DEFAULT_MIN_PROB, payoff: bool = False):
         """store: where past sequences are kept (store_for); draft_len: γ, the most tokens a round
         (the engine lowers it further to what it may verify); max_spec_factor .. min_prob: the
         allowance and confidence floor of SuffixStore.draft; payoff: cut each draft to the length
         that commits the most tokens per second of verify on this machine
-        (selfspec.drafters.draft_length), else keep what the allowance gives."""
+        (selfspec.drafters.draft_length), else keep what the allowance gives (the default: through
+        the server on the agent sessions, the cut ran 1.57x AR against whole drafts' 1.81x on
+        SmolLM2 and 1.10x against 1.09x on Qwen2.5-Coder 0.5B in int4, 2-core AMD EPYC)."""
         if draft_len < 1:
             raise ValueError(f"draft length must be >= 1, got {draft_len}")
         if max_spec_factor < 0 or seen_weight < 0 or not 0 <= min_prob <= 1:
