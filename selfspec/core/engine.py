@@ -124,6 +124,7 @@ class Decoding:
         self.pending: torch.Tensor | None = None
         self._t0 = time.perf_counter()
         self._clock_stopped = False
+        self._clock = clock_for(adapter)  # the model's verify clock (seconds by row count)
 
     @property
     def start(self) -> int:
@@ -180,7 +181,7 @@ class Decoding:
         emit. lone: the verify forward was this sequence's alone (its seconds go to the model's
         verify clock)."""
         if lone:
-            clock_for(self.adapter).add(len(draft) + 1, verify_s)
+            self._clock.add(len(draft) + 1, verify_s)
         t = time.perf_counter()
         verdict = _verify(draft, target_logits, self.sampling, self.generator)
         self.stats.verify_s += verify_s + time.perf_counter() - t

@@ -52,14 +52,20 @@ class VerifyClock:
         return below[-1][1]
 
 
-_CLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CLOCKS_LOCK = threading.Lock()
+class PerModel:
+    """One object per loaded model, made by `make(adapter)` on first use and dropped with the model."""
+
+    def __init__(self, make):
+        self._make = make
+        self._items: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, adapter):
+        with self._lock:
+            item = self._items.get(adapter)
+            if item is None:
+                item = self._items[adapter] = self._make(adapter)
+            return item
 
 
-def clock_for(adapter) -> VerifyClock:
-    """The model's clock (one per loaded model, shared by every generation on it)."""
-    with _CLOCKS_LOCK:
-        clock = _CLOCKS.get(adapter)
-        if clock is None:
-            clock = _CLOCKS[adapter] = VerifyClock()
-        return clock
+clock_for = PerModel(lambda adapter: VerifyClock())  # the model's clock, shared by every generation on it

@@ -18,9 +18,8 @@ moves.
 from __future__ import annotations
 
 import threading
-import weakref
 
-from selfspec.core.verify_clock import VerifyClock, clock_for
+from selfspec.core.verify_clock import PerModel, VerifyClock, clock_for
 
 PRIOR = 4.0  # pseudo-rounds at acceptance 1 per unit of confidence, at every draft position
 POSITIONS = 64  # draft positions tracked (later ones share the last's figure)
@@ -67,14 +66,4 @@ class DraftLength:
                 self.hits[k] += 1.0 if j < accepted else 0.0
 
 
-_LENGTHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LENGTHS_LOCK = threading.Lock()
-
-
-def length_for(adapter) -> DraftLength:
-    """The model's draft-length model (one per loaded model, shared by its generations)."""
-    with _LENGTHS_LOCK:
-        length = _LENGTHS.get(adapter)
-        if length is None:
-            length = _LENGTHS[adapter] = DraftLength(clock_for(adapter))
-        return length
+length_for = PerModel(lambda adapter: DraftLength(clock_for(adapter)))  # the model's, shared by its generations
