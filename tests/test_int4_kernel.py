@@ -43,7 +43,11 @@ def test_values_match_the_reference_and_the_float32_product(out_features, in_fea
     linear, g = _blocks(out_features, in_features)
     q, sz = linear.packed, linear.scales_zeros
     w = dequantize_blocks(q, sz)
-    torch.testing.assert_close(gemv.int4_dequantize(q, sz), w, atol=1e-6, rtol=1e-6)  # one FMA against two roundings
+    w32 = gemv.int4_dequantize(q, sz)
+    # (q - 8) · scale is exact in float32 (a 5-bit integer times a bfloat16), so the kernel's one FMA
+    # and the reference's product-then-sum round alike; bfloat16 is that float32 rounded once.
+    assert torch.equal(w32, w)
+    assert torch.equal(gemv.int4_dequantize(q, sz, torch.bfloat16), w32.bfloat16())
     x = torch.randn(gemv.MAX_ROWS, in_features, generator=g).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16()
     for rows in (1, 2, 3, 4, 5, 8, 9, 16):
@@ -123,3 +127,26 @@ def test_a_wrong_call_is_a_runtime_error():
         ops.int4_dequantize(q, sz[:, :1].contiguous())
     with pytest.raises(RuntimeError):
         ops.int4_dequantize(q.view(48, 64), sz)
+    with pytest.raises(RuntimeError):
+        ops.int4_prefill(torch.randn(40, 96).bfloat16(), q, sz, None, 1 << 20)  # inner sizes differ
+    with pytest.raises(RuntimeError):
+        ops.int4_prefill(torch.randn(40, 64).bfloat16(), q, sz, torch.randn(48), 1 << 20)  # bias dtype differs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prefill_tile_by_tile_is_the_whole_dequantized_gemm(dtype, path):
+    # 100 outputs in tiles of 16 (the smallest; a 4-row tail), 32 or all at once, with and without bias
+    linear, g = _blocks(100, 256)
+    q, sz = linear.packed, linear.scales_zeros
+    x = torch.randn(40, 256, generator=g).to(dtype)
+    bias = torch.randn(100, generator=g).to(dtype)
+    w = gemv.int4_dequantize(q, sz, dtype)
+    for b in (None, bias):
+        want = torch.nn.functional.linear(x, w, b)
+        for tile_bytes in (1, 32 * 256 * x.element_size(), 1 << 30):
+            got = gemv.int4_prefill(x, q, sz, b, tile_bytes)
+            assert got.shape == (40, 100) and got.dtype == dtype and got.is_contiguous()
+            torch.testing.assert_close(got, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    # through the module: more rows than the kernel takes go this way
+    torch.testing.assert_close(int4_linear(x.bfloat16(), q, sz).float(),
+                               torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float(), atol=2e-2, rtol=2e-2)

@@ -236,9 +236,11 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
             # int8 is not this: a prefill's numbers are its own, the same for AR and every drafter.
             native = x.dtype == torch.bfloat16 and gemv.native_bfloat16() and gemv.available()
             if native:
-                y = torch.nn.functional.linear(rows, gemv.int4_dequantize(packed, scales_zeros, torch.bfloat16), bias)
+                y = gemv.int4_prefill(rows, packed, scales_zeros, bias)
+            elif gemv.available() and not gemv.needs_grad(x):
+                y = gemv.int4_prefill(rows.float(), packed, scales_zeros, None if bias is None else bias.float()).to(x.dtype)
             else:
-                w = gemv.int4_dequantize(packed, scales_zeros) if gemv.available() else dequantize_blocks(packed, scales_zeros)
+                w = dequantize_blocks(packed, scales_zeros)
                 y = torch.nn.functional.linear(rows.float(), w, None if bias is None else bias.float()).to(x.dtype)
         return y.view(*shape[:-1], packed.shape[0])
     group = packed.shape[1] * 2 // scales_zeros.shape[0]

@@ -9,9 +9,13 @@
 // side in one process; gemv.py's custom op selfspec::gemv calls the current build's.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/copy.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -150,6 +154,38 @@ Tensor int4_dequantize(const Tensor& q, const Tensor& sz, bool bfloat16) {
                                                 w.data_ptr(), bfloat16, N, K, at::get_num_threads());
     TORCH_CHECK(status == 0, "the 4-bit dequantizer refused a ", N, "x", K, " matrix (status ", status, ")");
     return w;
+}
+
+// x [M, in] · Wᵀ (+ bias) for W as 4-bit blocks and many rows (a prefill): W dequantized a tile of
+// output rows at a time into one reused buffer (bfloat16 or float32, x's dtype; about `tile_bytes`,
+// so it stays in cache and no fresh pages are touched) and multiplied by PyTorch's GEMM into the
+// tile's rows of yᵀ [out, M]. Each weight is the dequantizer's, each output element one GEMM dot
+// product, as a whole-matrix dequantize and GEMM would give (tiles split rows of W, not sums).
+Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias,
+                    int64_t tile_bytes) {
+    TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32, got ",
+                x.scalar_type());
+    check(x, "x", x.scalar_type(), {M, K});
+    check_int4(q, sz, K);
+    const int64_t N = q.size(0);
+    if (bias.has_value()) check(*bias, "bias", x.scalar_type(), {N});
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, tile_bytes / (K * x.element_size())) / 16 * 16);
+    Tensor buffer = at::empty({tile, K}, x.options());
+    Tensor y = at::empty({M, N}, x.options());
+    for (int64_t j = 0; j < N; j += tile) {
+        const int64_t rows = std::min(tile, N - j);
+        Tensor w = buffer.narrow(0, 0, rows);
+        const int status = selfspec_int4_dequantize((const uint8_t*)q.data_ptr() + j * (K / 32) * 16,
+                                                    (const uint16_t*)sz.data_ptr() + j * (K / 32) * 2, w.data_ptr(),
+                                                    bf16, rows, K, at::get_num_threads());
+        TORCH_CHECK(status == 0, "the 4-bit dequantizer refused a ", rows, "x", K, " tile (status ", status, ")");
+        Tensor part = bias.has_value() ? at::addmm(bias->narrow(0, j, rows), x, w.t()) : at::mm(x, w.t());
+        y.narrow(1, j, rows).copy_(part);
+    }
+    return y;
 }
 
 // One decoder layer over x [n, hidden] in place (layer.h). weights: wqkv, bqkv, wo, wgu, wd, sqkv,
@@ -307,9 +343,11 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
           "bool final_gemma, int start) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int? rows_out=None) -> Tensor");
     m.def("int4_dequantize(Tensor q, Tensor sz, bool bfloat16=False) -> Tensor");
+    m.def("int4_prefill(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int tile_bytes=4194304) -> Tensor");
     m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
     m.impl("int4_gemv", c10::DispatchKey::CPU, TORCH_FN(int4_gemv));
     m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(int4_dequantize));
+    m.impl("int4_prefill", c10::DispatchKey::CPU, TORCH_FN(int4_prefill));
     m.impl("fused_layer", c10::DispatchKey::CPU, TORCH_FN(fused_layer));
     m.impl("feature_step", c10::DispatchKey::CPU, TORCH_FN(feature_step));
 }
