@@ -141,6 +141,8 @@ def test_int8_rows_are_the_same_whatever_the_rows_and_threads_beside_it(path):
             for r in range(0, gemv.MAX_ROWS - 1, 3):
                 assert torch.equal(gemv.linear(x[r:r + 1], w, scale=scale)[0], together[r])
                 assert torch.equal(gemv.linear(x[r:r + 2], w, scale=scale)[0], together[r])
+                # five to eight rows: one pass over W on the pairs path, two of four elsewhere
+                assert torch.equal(gemv.linear(x[r:r + 7], w, scale=scale)[:2], together[r:r + 2])
     finally:
         torch.set_num_threads(threads)
 

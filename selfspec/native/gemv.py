@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-MAX_ROWS = 16  # four per pass over the weights (kernels/product.h)
+MAX_ROWS = 16  # four per pass over the weights (eight for int8 ones on AVX512-BF16 pairs; kernels/product.h)
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "gemv.cpp"  # and the fused layer and feature step, all over product.h, in one library
 PARTS = ["layer.cpp", "feature.cpp", "quant4.cpp", "ops.cpp"]  # beside SOURCE; ops.cpp: the torch ops and their checks
