@@ -158,9 +158,9 @@ Tensor int4_dequantize(const Tensor& q, const Tensor& sz, bool bfloat16) {
 
 // x [M, in] · Wᵀ (+ bias) for W as 4-bit blocks and many rows (a prefill): W dequantized a tile of
 // output rows at a time into one reused buffer (bfloat16 or float32, x's dtype; about `tile_bytes`,
-// so it stays in cache and no fresh pages are touched) and multiplied by PyTorch's GEMM into the
-// tile's rows of yᵀ [out, M]. Each weight is the dequantizer's, each output element one GEMM dot
-// product, as a whole-matrix dequantize and GEMM would give (tiles split rows of W, not sums).
+// so it stays in cache and no fresh pages are touched), multiplied by PyTorch's GEMM and copied
+// into the tile's columns of y [M, out]. Each weight is the dequantizer's and each output element
+// one GEMM dot product over all of K (tiles split W's rows, never a sum).
 Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias,
                     int64_t tile_bytes) {
     TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
