@@ -9,7 +9,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 import selfspec
 from selfspec.model import loading, quantized_cache
-from selfspec.model.loading import CACHE_FORMAT, CACHE_MARKER, resolve_checkpoint, stored_dtype
+from selfspec.model.loading import CACHE_FORMAT, CACHE_MARKER, load_hf, resolve_checkpoint, stored_dtype
 from selfspec.model.quantize import Int4Linear, Int4Slice, Int8Linear
 from selfspec.model.quantized_cache import file_name, home, load_quantized
 
@@ -212,3 +212,34 @@ def test_smollm2_int4_cache_equals_quantizing_its_bfloat16_weights(tmp_path):
     assert stored_dtype(target) == torch.bfloat16
     quantize_int4(dense.model)
     _assert_same(dense.model, cached.model)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "llama"])  # a tied embedding and an untied one
+def test_the_embedding_is_stored_as_int8_rows_and_read_back_exactly(tmp_path, monkeypatch, mode, arch):
+    from safetensors import safe_open
+
+    from selfspec.model.quantize import EMBEDDING_INT8, dequantize_rows
+
+    ckpt = _checkpoint(tmp_path / f"tiny-{arch}", arch)
+    cache = tmp_path / "cache"
+    dense = load_hf(str(ckpt), dtype=torch.bfloat16, progress=False).model.get_input_embeddings().weight.float()
+    fresh = load_quantized(str(ckpt), mode, cache=cache, progress=False).model
+    table = fresh.get_input_embeddings().weight
+    tied = arch == "gemma3_text"
+    with safe_open(str(home(ckpt, cache) / file_name(mode)), "pt") as f:
+        stored = set(f.keys())
+        prefix = "lm_head" if tied else "selfspec_embedding"  # a tied table is the head's, stored once
+        q, scale = f.get_tensor(f"{prefix}.weight"), f.get_tensor(f"{prefix}.scale")
+    assert "model.embed_tokens.weight" not in stored and "lm_head.weight" in stored
+    assert ("selfspec_embedding.weight" in stored) == (not tied)
+    assert q.dtype == torch.int8 and torch.equal(table, dequantize_rows(q, scale, torch.bfloat16))
+    # each value within an int8 step of its row (half a step, and the bfloat16 scale's rounding
+    # times up to 127) plus the bfloat16 rounding of the result
+    assert ((table.float() - dense).abs() <= scale.float()[:, None] + dense.abs() * 2**-7).all()
+    # the rows stay in memory only as the head's own (an untied model's are dropped once saved)
+    assert hasattr(fresh, EMBEDDING_INT8) == tied
+    assert not tied or getattr(fresh, EMBEDDING_INT8)[0] is fresh.lm_head.weight
+    _no_quantizing(monkeypatch)
+    cached = load_quantized(str(ckpt), mode, cache=cache, progress=False).model
+    assert torch.equal(cached.get_input_embeddings().weight, table) and hasattr(cached, EMBEDDING_INT8) == tied

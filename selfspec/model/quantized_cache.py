@@ -4,7 +4,9 @@ A quantized load reads the dense bfloat16 weights and quantizes every layer (mos
 Qwen2.5-Coder 1.5B on 2 cores). The first one saves the result beside the checkpoint: one
 safetensors file per mode (int4 also per layout), holding the quantized modules' tensors, every
 other parameter and buffer of the model, and in its metadata which module is what (an Int4Linear,
-an Int4Slice of a fused one, an Int8Linear). A later load builds the model's skeleton from its
+an Int4Slice of a fused one, an Int8Linear). The embedding is stored as its int8 rows (the head's,
+where they are tied; selfspec.model.quantize.quantize_embedding), and its bfloat16 table is
+computed from them on load. A later load builds the model's skeleton from its
 config on the meta device, puts the modules back and assigns the tensors: no dense weights are
 read and nothing is quantized, and the model equals the freshly quantized one bit for bit.
 
@@ -40,16 +42,18 @@ from selfspec.model.loading import (
 )
 from selfspec.model.quantize import (
     ACTIVATION_DTYPE,
+    EMBEDDING_INT8,
     Int4Linear,
     Int4Slice,
     Int8Linear,
     default_int4_layout,
+    dequantize_rows,
     quantize_int4,
     quantize_int8,
 )
 from selfspec.native.build import cache_root
 
-FORMAT = 1  # of the file: bump when what is saved, or how it is read back, changes
+FORMAT = 2  # of the file: bump when what is saved, or how it is read back, changes (2: the embedding as int8 rows)
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
@@ -105,6 +109,7 @@ def load_quantized(
             print(f"quantized and saved in {time.perf_counter() - start:.0f} s ({size:.2f} GB)", file=sys.stderr)
         if saved and not keep_dense:
             drop_weights(checkpoint)  # written only to quantize from; the file above is what runs
+        _release_rows(model)
     with _quiet(True):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     return LoadedModel(model=model, tokenizer=tokenizer, name=display_name(name_or_path, checkpoint), path=checkpoint)
@@ -136,17 +141,18 @@ def write(model: torch.nn.Module, path: Path, mode: str) -> bool:
     modules, tensors = _describe(model)
     if modules is None:
         return False
+    derived = _derived_embedding(model, modules, tensors)
     names: dict[int, str] = {}  # id(tensor) -> the name it is stored under
     ties: dict[str, str] = {}  # a further name of a tensor -> the name it is stored under
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if _owner(name, modules) is not None:
+        if _owner(name, modules) is not None or (derived and name == derived["embedding"]):
             continue
         if id(tensor) in names:
             ties[name] = names[id(tensor)]
         else:
             names[id(tensor)] = name
             tensors[name] = tensor.detach()
-    metadata = {**key(mode), "modules": json.dumps(modules), "ties": json.dumps(ties)}
+    metadata = {**key(mode), "modules": json.dumps(modules), "ties": json.dumps(ties), "derived": json.dumps(derived)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.partial-")
     os.close(fd)
@@ -187,9 +193,20 @@ def read(path: Path, checkpoint: Path, mode: str) -> torch.nn.Module | None:
         if entry.get("attached", True):
             model.set_submodule(name, module, strict=True)
     for name, tensor in tensors.items():
-        _assign(model, name, tensor)
+        if not name.startswith(EMBEDDING + "."):
+            _assign(model, name, tensor)
     for name, first in json.loads(metadata["ties"]).items():
         _assign(model, name, tensors[first])
+    derived = json.loads(metadata.get("derived") or "null")
+    if derived:  # the embedding's int8 rows (quantize.quantize_embedding): the head's, or stored
+        if derived.get("head"):
+            head = built[derived["head"]]
+            q, scale = head.weight, head.scale
+        else:
+            q, scale = tensors[f"{EMBEDDING}.weight"], tensors[f"{EMBEDDING}.scale"]
+        _assign(model, derived["embedding"], dequantize_rows(q, scale, ACTIVATION_DTYPE))
+        if derived.get("head"):
+            setattr(model, EMBEDDING_INT8, (q, scale))  # the head's own tensors: no memory of their own
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"{path} does not hold {', '.join(left[:3])}; delete it to quantize afresh")
@@ -262,6 +279,35 @@ def _describe(model: torch.nn.Module) -> tuple[dict | None, dict[str, torch.Tens
         elif expected.get(name) is not type(module):
             return None, {}
     return modules, tensors
+
+
+EMBEDDING = "selfspec_embedding"  # where an untied embedding's int8 rows are stored
+
+
+def _release_rows(model: torch.nn.Module) -> None:
+    """Drop an untied embedding's int8 rows once saved: only the file needs them (the 1.5B's are
+    0.23 GB); a tied embedding's are the head's and stay."""
+    rows = getattr(model, EMBEDDING_INT8, None)
+    if rows is not None and rows[0] is not getattr(model.get_output_embeddings(), "weight", None):
+        delattr(model, EMBEDDING_INT8)
+
+
+def _derived_embedding(model: torch.nn.Module, modules: dict, tensors: dict) -> dict | None:
+    """Where the model holds its embedding as int8 rows (quantize.quantize_embedding): {"embedding":
+    its parameter's name, "head": the Int8Linear's name when they are the head's}, adding untied
+    rows to `tensors` under EMBEDDING; the bfloat16 table itself is then not stored. Else None."""
+    rows = getattr(model, EMBEDDING_INT8, None)
+    if rows is None:
+        return None
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    name = next((n for n, p in model.named_parameters(remove_duplicate=False) if p is embedding.weight), None)
+    if name is None:
+        return None
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
+    if isinstance(head, Int8Linear) and rows[0] is head.weight and head_name in modules:
+        return {"embedding": name, "head": head_name}
+    tensors[f"{EMBEDDING}.weight"], tensors[f"{EMBEDDING}.scale"] = rows[0].detach(), rows[1].detach()
+    return {"embedding": name, "head": None}
 
 
 def _owner(name: str, modules: dict) -> str | None:
