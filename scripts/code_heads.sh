@@ -7,7 +7,7 @@
 #   bash scripts/code_heads.sh qwen2.5-coder-0.5b [WORK] [extra calibrate options, e.g. --device cuda]
 #   bash scripts/code_heads.sh qwen2.5-coder-1.5b
 #
-# Time on 2 CPU cores (AMD EPYC, 2 threads): 0.5B about 45 minutes, 1.5B about 75 minutes; decoding the
+# Time on 2 CPU cores (AMD EPYC, 2 threads): 0.5B about 25 minutes, 1.5B about 50 minutes; decoding the
 # answers is most of it. Copy WORK/MODEL/*.feature.safetensors to selfspec/data/heads/ to ship a head.
 set -euo pipefail
 cd "$(dirname "$0")/.."
