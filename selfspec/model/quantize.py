@@ -37,12 +37,9 @@ class Int8Linear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, dtype: torch.dtype) -> "Int8Linear":
-        w = linear.weight.detach().float()
-        # Symmetric per-channel: the largest |w| of each output row maps to 127.
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        q, scale = int8_rows(linear.weight, dtype)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        return cls(q, scale.to(dtype), bias)
+        return cls(q, scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.weight, self.scale, self.bias)
@@ -101,7 +98,8 @@ EMBEDDING_INT8 = "_selfspec_embedding_int8"  # on a quantized model: its embeddi
 
 
 def int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A table's rows as int8 with one scale each (the head's quantization, Int8Linear.from_linear)."""
+    """A table's rows as int8 with one scale each (in `dtype`), symmetric: the largest |w| of each
+    row maps to 127 (Int8Linear's weights and the quantized modes' embedding)."""
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(dtype)
@@ -279,13 +277,15 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
             # CPU computes it natively (AVX512-BF16, AMX), else in float32. The decode rows' x as
             # int8 is not this: a prefill's numbers are its own, the same for AR and every drafter.
             native = x.dtype == torch.bfloat16 and gemv.native_bfloat16() and gemv.available()
-            if native:
-                y = gemv.int4_prefill(rows, packed, scales_zeros, bias)
-            elif gemv.available() and not gemv.needs_grad(x):
-                y = gemv.int4_prefill(rows.float(), packed, scales_zeros, None if bias is None else bias.float()).to(x.dtype)
+            dtype = x.dtype if native else torch.float32
+            b = None if bias is None else bias.to(dtype)
+            if gemv.available() and not gemv.needs_grad(x):  # tile by tile (the op keeps no gradient)
+                y = gemv.int4_prefill(rows.to(dtype), packed, scales_zeros, b)
             else:
-                w = dequantize_blocks(packed, scales_zeros)
-                y = torch.nn.functional.linear(rows.float(), w, None if bias is None else bias.float()).to(x.dtype)
+                w = gemv.int4_dequantize(packed, scales_zeros, dtype) if gemv.available() else \
+                    dequantize_blocks(packed, scales_zeros).to(dtype)
+                y = torch.nn.functional.linear(rows.to(dtype), w, b)
+            y = y.to(x.dtype)
         return y.view(*shape[:-1], packed.shape[0])
     group = packed.shape[1] * 2 // scales_zeros.shape[0]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, group, scales_zeros)

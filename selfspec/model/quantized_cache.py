@@ -198,15 +198,13 @@ def read(path: Path, checkpoint: Path, mode: str) -> torch.nn.Module | None:
     for name, first in json.loads(metadata["ties"]).items():
         _assign(model, name, tensors[first])
     derived = json.loads(metadata.get("derived") or "null")
-    if derived:  # the embedding's int8 rows (quantize.quantize_embedding): the head's, or stored
-        if derived.get("head"):
-            head = built[derived["head"]]
-            q, scale = head.weight, head.scale
-        else:
-            q, scale = tensors[f"{EMBEDDING}.weight"], tensors[f"{EMBEDDING}.scale"]
+    if derived and derived["head"]:  # the embedding's int8 rows are the head's (quantize.quantize_embedding)
+        head = built[derived["head"]]
+        setattr(model, EMBEDDING_INT8, (head.weight, head.scale))  # the head's own tensors: no memory of their own
+        _assign(model, derived["embedding"], dequantize_rows(head.weight, head.scale, ACTIVATION_DTYPE))
+    elif derived:  # stored beside the modules
+        q, scale = tensors[f"{EMBEDDING}.weight"], tensors[f"{EMBEDDING}.scale"]
         _assign(model, derived["embedding"], dequantize_rows(q, scale, ACTIVATION_DTYPE))
-        if derived.get("head"):
-            setattr(model, EMBEDDING_INT8, (q, scale))  # the head's own tensors: no memory of their own
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"{path} does not hold {', '.join(left[:3])}; delete it to quantize afresh")

@@ -2,7 +2,8 @@
 // once, each output element one thread's fixed-order sum (see selfspec/native/gemv.py for why).
 //
 // W [N, K] row-major: bfloat16 (uint16 bits) or int8 with one scale per output row; x [R, K]
-// bfloat16, R in 1..16 (four per pass over W, eight for int8 W on AVX512-BF16 pairs); y [R_out, N] bfloat16, rounded to nearest even (rows past R copy row R - 1).
+// bfloat16, R in 1..16 (four per pass over W, eight for int8 W on AVX512-BF16 pairs); y [R_out, N]
+// bfloat16, rounded to nearest even (rows past R copy row R - 1).
 // Or all three float32.
 // AVX2 + FMA (AVX-512 or AVX512-BF16 where built for it), OpenMP threads.
 #pragma once

@@ -246,8 +246,8 @@ static inline __m256 weights8(__m256i q, __m256 scale, __m256 zero) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))), scale, zero);
 }
 
-// Sixteen floats stored as bfloat16, each rounded to nearest even (float_to_bf16, NaN kept a NaN).
-static inline void store16(uint16_t* w, __m256 a, __m256 b) {
+// Sixteen floats as bfloat16, in order, each rounded to nearest even (float_to_bf16, NaN kept a NaN).
+static inline __m256i bf16x16(__m256 a, __m256 b) {
     const auto round = [](__m256 v) {
         const __m256i u = _mm256_castps_si256(v);
         const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -255,66 +255,52 @@ static inline void store16(uint16_t* w, __m256 a, __m256 b) {
         const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
         return _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
     };
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(a), round(b)), 0xd8);
-    _mm256_storeu_si256((__m256i*)w, packed);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(round(a), round(b)), 0xd8);
 }
+
+static inline void store16(uint16_t* w, __m256 a, __m256 b) { _mm256_storeu_si256((__m256i*)w, bf16x16(a, b)); }
 
 static inline void store16(float* w, __m256 a, __m256 b) {
     _mm256_storeu_ps(w, a);
     _mm256_storeu_ps(w + 8, b);
 }
 
-#if defined(__AVX512BW__)
-// A block's sixteen possible bfloat16 weights, (q - 8) · scale + zero for q = 0..15 (one FMA and
-// one rounding each, as store16's), in the low half of a 512-bit table for vpermw.
-static inline __m512i table16(uint16_t scale, uint16_t zero) {
-    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512 v = _mm512_fmadd_ps(q, _mm512_set1_ps(bf16_to_float(scale)), _mm512_set1_ps(bf16_to_float(zero)));
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));
+// One block's 32 weights from its 16 bytes of nibbles: eight weights an FMA (the scalar fmaf's
+// rounding), stored as float32 or bfloat16.
+template <typename E>
+static inline void unpack_block(const uint8_t* q, __m256 scale, __m256 zero, E* w) {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));      // bytes 0-7
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));  // bytes 8-15
+    store16(w, weights8(_mm256_and_si256(b0, low4), scale, zero), weights8(_mm256_and_si256(b1, low4), scale, zero));
+    store16(w + 16, weights8(_mm256_srli_epi32(b0, 4), scale, zero), weights8(_mm256_srli_epi32(b1, 4), scale, zero));
 }
 
-// bfloat16 W: each block's sixteen values rounded once, then its 32 nibbles looked up (vpermw).
-static int dequantize(const uint8_t* Q, const uint16_t* S, uint16_t* W, long N, long K, int threads) {
-    if (K % BLOCK) return 1;
-    const long nb = K / BLOCK;
-    const __m256i low4 = _mm256_set1_epi16(15);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long j = 0; j < N; j++)
-        for (long b = 0; b < nb; b++) {
-            const long blk = j * nb + b;
-            const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(Q + blk * 16)));
-            const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low4)),
-                                                   _mm256_srli_epi16(bytes, 4), 1);
-            _mm512_storeu_si512(W + j * K + b * BLOCK, _mm512_permutexvar_epi16(idx, table16(S[2 * blk], S[2 * blk + 1])));
-        }
-    return 0;
+#if defined(__AVX512BW__)
+// bfloat16 on AVX-512BW: the block's sixteen possible values (q = 0..15, the same FMA and rounding
+// as above) computed once, then its 32 nibbles looked up (vpermw).
+static inline void unpack_block(const uint8_t* q, __m256 scale, __m256 zero, uint16_t* w) {
+    const __m256i values = bf16x16(weights8(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), scale, zero),
+                                   weights8(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15), scale, zero));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)q));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
+                                           _mm256_srli_epi16(bytes, 4), 1);
+    _mm512_storeu_si512(w, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(values)));
 }
 #endif
 
 // W [N, K] as float32 (or bfloat16, each value rounded once), each weight (q - 8) · scale + zero
-// (for prefills, which run a GEMM): eight weights an FMA (the scalar fmaf's rounding), so the
-// prefill's unpacking streams near the memory's rate.
+// (for prefills, which run a GEMM), so the prefill's unpacking streams near the memory's rate.
 template <typename E>
 static int dequantize(const uint8_t* Q, const uint16_t* S, E* W, long N, long K, int threads) {
     if (K % BLOCK) return 1;
     const long nb = K / BLOCK;
-    const __m256i low4 = _mm256_set1_epi32(15);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long j = 0; j < N; j++)
         for (long b = 0; b < nb; b++) {
             const long blk = j * nb + b;
-            const __m256 scale = _mm256_set1_ps(bf16_to_float(S[2 * blk])), zero = _mm256_set1_ps(bf16_to_float(S[2 * blk + 1]));
-            const uint8_t* q = Q + blk * 16;
-            E* w = W + j * K + b * BLOCK;
-            const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));      // bytes 0-7
-            const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));  // bytes 8-15
-            store16(w, weights8(_mm256_and_si256(b0, low4), scale, zero), weights8(_mm256_and_si256(b1, low4), scale, zero));
-            store16(w + 16, weights8(_mm256_srli_epi32(b0, 4), scale, zero), weights8(_mm256_srli_epi32(b1, 4), scale, zero));
+            unpack_block(Q + blk * 16, _mm256_set1_ps(bf16_to_float(S[2 * blk])),
+                         _mm256_set1_ps(bf16_to_float(S[2 * blk + 1])), W + j * K + b * BLOCK);
         }
     return 0;
 }
