@@ -150,3 +150,12 @@ def test_a_prefill_tile_by_tile_is_the_whole_dequantized_gemm(dtype, path):
     # through the module: more rows than the kernel takes go this way
     torch.testing.assert_close(int4_linear(x.bfloat16(), q, sz).float(),
                                torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_prefill_that_wants_a_gradient_gets_one(path):
+    linear, g = _blocks(100, 256)
+    x = torch.randn(40, 256, generator=g).bfloat16().requires_grad_(True)
+    y = int4_linear(x, linear.packed, linear.scales_zeros)
+    y.float().sum().backward()  # the tiled op keeps none: this took the dequantized GEMM
+    w = gemv.int4_dequantize(linear.packed, linear.scales_zeros).sum(0)
+    torch.testing.assert_close(x.grad.float(), w.expand(40, -1), atol=0.05, rtol=0.02)
