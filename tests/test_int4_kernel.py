@@ -8,7 +8,7 @@ call refused with a RuntimeError."""
 import pytest
 import torch
 
-from selfspec.model.quantize import Int4Linear, dequantize_blocks, int4_linear
+from selfspec.model.quantize import Int4Linear, dequantize_blocks, from_groups, int4_linear, to_groups
 from selfspec.native import gemv
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="no g++ or no AVX2/FMA: int4 keeps PyTorch's kernel")
@@ -62,9 +62,12 @@ def test_values_match_the_reference_and_the_float32_product(out_features, in_fea
         assert torch.equal(padded[:rows], got) and torch.equal(padded[rows:], got[-1:].expand(16 - rows, -1))
 
 
-def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it(path):
-    linear, g = _blocks(200, 576, seed=1)
-    x = torch.randn(gemv.MAX_ROWS, 576, generator=g).bfloat16()
+# K of 18 blocks (a group of 16 and one of 2), and of 83 (five groups and a tail of 3: eight rows
+# take it in tiles of three groups, one row in one tile)
+@pytest.mark.parametrize("in_features", [576, 2656])
+def test_each_row_is_the_same_whatever_the_rows_and_threads_beside_it(in_features, path):
+    linear, g = _blocks(200, in_features, seed=1)
+    x = torch.randn(gemv.MAX_ROWS, in_features, generator=g).bfloat16()
     together = gemv.int4_linear(x, linear.packed, linear.scales_zeros)
     threads = torch.get_num_threads()
     try:
@@ -86,6 +89,19 @@ def test_a_row_holding_an_infinity_gives_nan_and_leaves_the_others_alone(path):
     x[1, 100] = float("inf")
     got = gemv.int4_linear(x, linear.packed, linear.scales_zeros)
     assert torch.isnan(got[1]).all() and torch.equal(got[0], clean[0]) and torch.equal(got[2], clean[2])
+
+
+def test_the_groups_layout_is_a_permutation_of_each_rows_blocks():
+    blocks = torch.randint(0, 256, (3, 83, 16), dtype=torch.uint8)
+    packed = to_groups(blocks)
+    assert packed.shape == blocks.shape and torch.equal(from_groups(packed), blocks)
+    # block 17 (the second group, 16 blocks, lane 1): its bytes 4k..4k+3 are slice k's lane 1
+    row = packed[1].reshape(-1)
+    for k in range(4):
+        assert torch.equal(row[16 * 16 + 64 * k + 4: 16 * 16 + 64 * k + 8], blocks[1, 17, 4 * k: 4 * k + 4])
+    # block 81 (the last group, 3 blocks, lane 1): slices of 12 bytes
+    for k in range(4):
+        assert torch.equal(row[80 * 16 + 12 * k + 4: 80 * 16 + 12 * k + 8], blocks[1, 81, 4 * k: 4 * k + 4])
 
 
 def test_both_layouts_hold_the_same_weights():

@@ -13,6 +13,7 @@ output.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -209,8 +210,10 @@ class Int4Linear(torch.nn.Module):
         if layout == "blocks":
             if group != 32:
                 raise ValueError(f"the blocks layout takes groups of 32, not {group}")
-            # byte i of a block: element i in the low nibble, element i + 16 in the high one (GGUF Q4_1's order)
-            return cls(q[..., :16] | (q[..., 16:] << 4), torch.stack([scale, zero], dim=-1).contiguous(), bias)
+            # byte i of a block: element i in the low nibble, element i + 16 in the high one (GGUF Q4_1's
+            # order), then a row's blocks interleaved in groups for the kernel (to_groups)
+            return cls(to_groups(q[..., :16] | (q[..., 16:] << 4)), torch.stack([scale, zero], dim=-1).contiguous(),
+                       bias)
         if layout != "int4pack":
             raise ValueError(f"layout must be 'blocks' or 'int4pack', got {layout!r}")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32).contiguous(), 1)
@@ -253,8 +256,37 @@ class Int4Slice(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+GROUP = 16  # blocks a group of the blocks layout (kernels/quant4.h)
+
+
+@functools.cache
+def _group_order(blocks: int) -> torch.Tensor:
+    """Byte i of a row in the blocks layout is byte _group_order(blocks)[i] of the row's blocks in
+    order: per group of up to GROUP blocks, four slices, slice k holding bytes 4k..4k+3 of each
+    block in turn (so each block has its own 32-bit lane in the kernel's vectors)."""
+    order = []
+    for first in range(0, blocks, GROUP):
+        g = min(GROUP, blocks - first)
+        order.append((torch.arange(g * 16).view(g, 4, 4) + first * 16).permute(1, 0, 2).reshape(-1))
+    return torch.cat(order)
+
+
+def to_groups(blocks: torch.Tensor) -> torch.Tensor:
+    """[out, in / 32, 16] uint8 blocks, each block's 16 bytes in order, into the blocks layout."""
+    out, count, _ = blocks.shape
+    return blocks.reshape(out, -1)[:, _group_order(count)].view(out, count, 16).contiguous()
+
+
+def from_groups(packed: torch.Tensor) -> torch.Tensor:
+    """The blocks layout's bytes back to each block's 16 bytes in order (to_groups undone)."""
+    out, count, _ = packed.shape
+    inverse = torch.argsort(_group_order(count))
+    return packed.reshape(out, -1)[:, inverse].view(out, count, 16)
+
+
 def dequantize_blocks(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     """The reference for the blocks layout: W [out, in] float32, w = (q - 8) · scale + zero."""
+    packed = from_groups(packed)
     q = torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8  # [out, in / 32, 32]
     sz = scales_zeros.float()
     return (q * sz[..., :1] + sz[..., 1:]).flatten(1)

@@ -268,11 +268,13 @@ def _(x, w, bias, scale):
 
 # -- 4-bit blocks (kernels/quant4.h) -------------------------------------------------------------
 #
-# W [out, in] as blocks of 32 inputs, q [out, in / 32, 16] uint8 (byte i: element i in its low
-# nibble, i + 16 in its high one) and sz [out, in / 32, 2] bfloat16 (scale, zero), w = (q - 8) ·
-# scale + zero: GGUF Q4_1's grid, laid out by selfspec.model.quantize. The product dequantizes each
-# block once into registers for every row of a pass (eight rows on AVX-512, four on AVX2); each
-# row's result is the same whatever the row count (one fixed order per row, as above).
+# W [out, in] as blocks of 32 inputs, q [out, in / 32, 16] uint8 (each block's 16 bytes holding
+# element i in the low nibble of byte i and i + 16 in its high one, a row's blocks interleaved in
+# groups of 16 so each block has its own 32-bit lane: quantize.to_groups) and sz [out, in / 32, 2]
+# bfloat16 (scale, zero), w = (q - 8) · scale + zero: GGUF Q4_1's grid, laid out by
+# selfspec.model.quantize. The product unpacks each group once into registers for every row of a
+# pass (eight rows on AVX-512, four on AVX2); each row's result is the same whatever the row count
+# (one fixed order per row, as above).
 
 
 def int4_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None = None,

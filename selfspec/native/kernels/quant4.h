@@ -2,27 +2,33 @@
 // layers of the fused layer; see selfspec/native/gemv.py and selfspec/model/quantize.py, which lays
 // the blocks out).
 //
-// W [N, K] as blocks of 32 inputs: Q [N, K / 32, 16] uint8, byte i of a block holding element i in
-// its low nibble and element i + 16 in its high one (GGUF Q4_1's order); S [N, K / 32, 2] bfloat16,
-// each block's (scale, zero): w = (q - 8) · scale + zero, q in 0..15. x [R, K] bfloat16, R in
-// 1..16; y [R_out, N] bfloat16 (rows past R copy row R - 1).
+// W [N, K] as blocks of 32 inputs: S [N, K / 32, 2] bfloat16, each block's (scale, zero): w = (q -
+// 8) · scale + zero, q in 0..15 (GGUF Q4_1's grid); Q [N, K / 32, 16] uint8, the nibbles, a row's
+// blocks in groups of GROUP = 16 (the last group of a row may hold fewer, g): a group's 16 g bytes
+// are four slices of 4 g bytes, slice k holding 4 bytes of each block in turn, byte p of block l's
+// holding its element 4k + p in the low nibble and 16 + 4k + p in the high one. So one 32-bit lane
+// of a 64-byte slice belongs to one block, and a group's four slices give each of its blocks its
+// own lane. x [R, K] bfloat16, R in 1..16; y [R_out, N] bfloat16 (rows past R copy row R - 1).
 //
 // Why: a decode step streams its weights once, so its time is their bytes over the memory's rate;
 // at 5 bits a weight (4 + 32 bits of scale and zero a block) the bytes are under a third of
 // bfloat16's, provided the arithmetic keeps up. It does by integer dot products, as llama.cpp's
 // 4-bit products do: each row of x is quantized to int8 in blocks of 32 (xq = round(x / dx), dx =
 // the block's max |x| / 127), and a block's nibbles times xq sum exactly in int32 (AVX512-VNNI's
-// vpdpbusd, 64 products an instruction; AVX2's vpmaddubsw elsewhere); floats enter once per block:
-//   sum over a block of w · x  ≈  scale · dx · Σ q · xq  +  (zero - 8 · scale) · dx · Σ xq.
-// The nibbles are used as stored: 64 bytes hold four blocks, their low nibbles (elements 0-15 of
-// each) one 64-byte vector and their high nibbles another, and x's int8 rows are laid out to match.
+// vpdpbusd; AVX2's vpmaddubsw elsewhere); the block's sum of w · x is then
+//   dx · scale · (Σ q · xq - 8 Σ xq)  +  zero · dx · Σ xq,
+// the integer bracket exact (it starts at -8 Σ xq). Because each block has its own lane, a row's
+// float work is one convert, one multiply and two FMAs per 16 blocks (a group), shared by its
+// eight vpdpbusd (it was one of each per four blocks, with blocks side by side in a vector): the
+// many-row products a verify runs are bound by that arithmetic (2-core AMD EPYC, Qwen2.5-Coder
+// 1.5B's four layer products in cache: 4 rows 1.44 -> 1.02 ms, 8 rows 2.94 -> 1.97 ms).
 //
 // Exactness: a row's int8 quantization depends on that row alone, its integer sums are exact, and
-// its float sums run in one fixed order (per 32-bit lane, in block order; lanes added as
-// product.h's hsum) whatever the number of rows in the call, the pass it falls in or the thread
-// count; so row r of an n-row call equals the 1-row call's bit for bit. The AVX2 and AVX-512 paths
-// round their float sums their own ways. The result is not x · W in float: x is int8 to within
-// half a step of its block (this is int4 mode's own arithmetic, which speculation reproduces).
+// its float sums run in one fixed order (per lane, in group order; lanes added as product.h's
+// hsum) whatever the number of rows in the call, the pass it falls in or the thread count; so row
+// r of an n-row call equals the 1-row call's bit for bit. The AVX2 and AVX-512 paths round their
+// float sums their own ways. The result is not x · W in float: x is int8 to within half a step of
+// its block (this is int4 mode's own arithmetic, which speculation reproduces).
 #pragma once
 #include <vector>
 
@@ -31,32 +37,33 @@
 namespace int4 {
 
 constexpr int BLOCK = 32;
-constexpr int CHUNK = 4;        // blocks per 64 bytes of nibbles
+constexpr int GROUP = 16;       // blocks a group: one 32-bit lane each
 constexpr int Q_AHEAD = 2048;   // bytes of nibbles (and a quarter as many of scales) prefetched ahead
 constexpr int Q_FAR = 8192;     // and, for one or two rows, further ahead into L2
 
-// One row of x, prepared: per chunk c of four blocks (the last one zero-padded), xl [64] int8 holding
-// block 4c + i's elements 0-15 at 16i.., xh [64] its elements 16-31; d [16] the dx of each 32-bit
-// lane l of a 64-byte vector (block 4c + l / 4); t [8] (-8 T, T) for each block, T = dx · its sum
-// of xq, so that the blocks' (scale, zero) pairs times t are Σ (zero - 8 · scale) · dx · Σ xq.
+static inline long groups_of(long K) { return (K / BLOCK + GROUP - 1) / GROUP; }
+static inline int group_size(long nb, long gi) { return (int)std::min<long>(GROUP, nb - gi * GROUP); }
+
+// One row of x, prepared: per group of 16 blocks (the last one zero-padded), PREPARED_BYTES bytes:
+// xs [8][64] int8, xs[2k] lane l holding block l's xq elements 4k..4k+3 and xs[2k + 1] its 16 + 4k..,
+// matching Q's slices; then init [16] int32 (-8 Σ xq of block l), d [16] float (its dx) and dt [16]
+// float (dx · Σ xq).
 struct Prepared {
-    long chunks;
-    const int8_t *xl, *xh;
-    const float *d, *t;
+    long groups;
+    const uint8_t* base;
+    const int8_t* xs(long gi, int s) const { return (const int8_t*)(base + gi * 704 + 64 * s); }
+    const int32_t* init(long gi) const { return (const int32_t*)(base + gi * 704 + 512); }
+    const float* d(long gi) const { return (const float*)(base + gi * 704 + 576); }
+    const float* dt(long gi) const { return (const float*)(base + gi * 704 + 640); }
 };
+static constexpr long PREPARED_BYTES = 704;
 
-static inline long chunks_of(long K) { return (K / BLOCK + CHUNK - 1) / CHUNK; }
-static constexpr long PREPARED_BYTES = 224;  // per chunk: xl, xh (64 bytes each), d (16 floats), t (8)
-
-// Row x [K] (bfloat16 bits) into `out` (chunks_of(K) · PREPARED_BYTES bytes). A block holding a NaN or an
-// infinity gets dx NaN, so the row's outputs are NaN, as the float products give.
+// Row x [K] (bfloat16 bits) into `out` (groups_of(K) · PREPARED_BYTES bytes). A block holding a NaN
+// or an infinity gets dx NaN, so the row's outputs are NaN, as the float products give.
 static Prepared prepare(const uint16_t* x, long K, uint8_t* out) {
-    const long C = chunks_of(K), nb = K / BLOCK;
-    int8_t* xl = (int8_t*)out;
-    int8_t* xh = xl + 64 * C;
-    float* d = (float*)(xh + 64 * C);
-    float* t = d + 16 * C;  // 8 a chunk
-    memset(out, 0, C * PREPARED_BYTES);
+    const long G = groups_of(K), nb = K / BLOCK;
+    memset(out, 0, G * PREPARED_BYTES);
+    const Prepared P{G, out};
     for (long b = 0; b < nb; b++) {
         const uint16_t* xb = x + b * BLOCK;
         float v[BLOCK], amax = 0.f, poison = 0.f;
@@ -65,164 +72,203 @@ static Prepared prepare(const uint16_t* x, long K, uint8_t* out) {
             amax = std::max(amax, std::fabs(v[i]));
             poison += v[i] * 0.f;  // NaN when any element is a NaN or an infinity
         }
-        const float dx = poison == 0.f ? amax / 127.f : NAN;
-        const float inv = poison == 0.f && amax > 0.f ? 127.f / amax : 0.f;
-        const long c = b / CHUNK, i = b % CHUNK;
-        int8_t *lo = xl + 64 * c + 16 * i, *hi = xh + 64 * c + 16 * i;
-        for (int e = 0; e < 16; e++) {
-            lo[e] = (int8_t)std::nearbyint(v[e] * inv);  // round half to even, as cvtps2dq
-            hi[e] = (int8_t)std::nearbyint(v[e + 16] * inv);
-        }
+        const bool finite = poison == 0.f;
+        const float dx = finite ? amax / 127.f : NAN;
+        const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+        int8_t xq[BLOCK];
         int sum = 0;
-        for (int e = 0; e < 16; e++) sum += lo[e] + hi[e];
-        for (int p = 0; p < 4; p++) d[16 * c + 4 * i + p] = dx;
-        t[8 * c + 2 * i] = -8.f * (dx * (float)sum);
-        t[8 * c + 2 * i + 1] = dx * (float)sum;
+        for (int e = 0; e < BLOCK; e++) {
+            xq[e] = finite ? (int8_t)std::nearbyint(v[e] * inv) : 0;  // round half to even, as cvtps2dq
+            sum += xq[e];
+        }
+        const long gi = b / GROUP, l = b % GROUP;
+        for (int k = 0; k < 4; k++) {
+            memcpy((int8_t*)P.xs(gi, 2 * k) + 4 * l, xq + 4 * k, 4);
+            memcpy((int8_t*)P.xs(gi, 2 * k + 1) + 4 * l, xq + 16 + 4 * k, 4);
+        }
+        ((int32_t*)P.init(gi))[l] = -8 * sum;
+        ((float*)P.d(gi))[l] = dx;
+        ((float*)P.dt(gi))[l] = dx * (float)sum;
     }
-    return Prepared{C, xl, xh, d, t};
+    return P;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define INT4_VNNI 1
-constexpr int PASS = 8;  // rows per pass over W: two 16-lane accumulators each
+constexpr int PASS = 8;  // rows per pass over W
 constexpr const char* PATH = "avx512-vnni";
 
-// Output rows j .. j + J - 1 for R prepared rows; J > 1 interleaves output rows so a pass of one
-// or two rows has enough independent chains.
+constexpr int STATE = 32;  // floats of a row's sums per output (dot and off, 16 lanes each)
+
+// Groups ga..gb-1 of output rows j .. j + J - 1 for R prepared rows, added to their sums in `state`
+// (output j + u, row r at (u · R + r) · STATE); J > 1 interleaves output rows so a pass of one or
+// two rows has enough independent chains.
 template <int R, int J>
-static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, const uint16_t* bias, uint16_t* Y,
-                        long j, long K, long N) {
-    const long nb = K / BLOCK, C = X[0].chunks;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    const __m512i pick_scale = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-    __m512 dot[J][R];
-    __m256 off[J][R];  // the zeros' term: (scale, zero) pairs times t's (-8 T, T)
+static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, float* state, long j, long K,
+                        long ga, long gb) {
+    const long nb = K / BLOCK;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 dot[J][R], off[J][R];  // per lane: dx · scale · bracket, and zero · dx · Σ xq
     for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) dot[u][r] = _mm512_setzero_ps(), off[u][r] = _mm256_setzero_ps();
-    for (long c = 0; c < C; c++) {
-        const long left = nb - c * CHUNK;  // blocks in this chunk: 4, or 1-3 in the last
-        const __mmask64 qmask = left >= CHUNK ? ~0ull : (1ull << (16 * left)) - 1;
-        const __mmask32 smask = left >= CHUNK ? 0xff : (__mmask32)((1u << (2 * left)) - 1);
+        for (int r = 0; r < R; r++) {
+            dot[u][r] = _mm512_loadu_ps(state + (u * R + r) * STATE);
+            off[u][r] = _mm512_loadu_ps(state + (u * R + r) * STATE + 16);
+        }
+    for (long gi = ga; gi < gb; gi++) {
+        const long b0 = gi * GROUP;
+        const int g = group_size(nb, gi);
+        const __mmask16 mask = g == GROUP ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
         for (int u = 0; u < J; u++) {
-            const long blk = (j + u) * nb + c * CHUNK;
+            const long blk = (j + u) * nb + b0;
             const uint8_t* q = Q + blk * 16;
-            _mm_prefetch((const char*)q + Q_AHEAD, _MM_HINT_T0);
-            _mm_prefetch((const char*)(S + 2 * blk) + Q_AHEAD / 4, _MM_HINT_T0);
-            if constexpr (R <= 2) {  // memory-bound passes: more in flight (Qwen 1.5B step ~57 -> ~43 ms)
-                _mm_prefetch((const char*)q + Q_FAR, _MM_HINT_T1);
-                _mm_prefetch((const char*)(S + 2 * blk) + Q_FAR / 4, _MM_HINT_T1);
+            const uint16_t* s = S + 2 * blk;
+            for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)q + Q_AHEAD + line, _MM_HINT_T0);
+            _mm_prefetch((const char*)s + Q_AHEAD / 4, _MM_HINT_T0);
+            if constexpr (R <= 2) {  // memory-bound passes: more in flight
+                for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)q + Q_FAR + line, _MM_HINT_T1);
+                _mm_prefetch((const char*)s + Q_FAR / 4, _MM_HINT_T1);
             }
-            const __m512i v = _mm512_maskz_loadu_epi8(qmask, q);
-            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            // s0 z0 s1 z1 s2 z2 s3 z3 as floats, each to its block's four lanes
-            const __m512 sz = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(smask, S + 2 * blk))), 16));
-            const __m512 scale = _mm512_permutexvar_ps(pick_scale, sz);
-            const __m256 pairs = _mm512_castps512_ps256(sz);
+            __m512i acc[R];
+            for (int r = 0; r < R; r++) acc[r] = _mm512_loadu_si512(X[r].init(gi));
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_maskz_loadu_epi32(mask, q + 4 * g * k);
+                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_loadu_si512(X[r].xs(gi, 2 * k)));
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_loadu_si512(X[r].xs(gi, 2 * k + 1)));
+                }
+            }
+            const __m512i sz = _mm512_maskz_loadu_epi32(mask, s);  // lane l: (scale, zero) of block l
+            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz, high16));
             for (int r = 0; r < R; r++) {
-                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(X[r].xl + 64 * c));
-                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(X[r].xh + 64 * c));
-                const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[r].d + 16 * c));
-                dot[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), step, dot[u][r]);
-                off[u][r] = _mm256_fmadd_ps(pairs, _mm256_loadu_ps(X[r].t + 8 * c), off[u][r]);
+                const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[r].d(gi)));
+                dot[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), step, dot[u][r]);
+                off[u][r] = _mm512_fmadd_ps(zero, _mm512_loadu_ps(X[r].dt(gi)), off[u][r]);
             }
         }
     }
     for (int u = 0; u < J; u++)
         for (int r = 0; r < R; r++) {
-            float s = hsum16(dot[u][r]) + hsum(off[u][r]);
-            if (bias) s += bf16_to_float(bias[j + u]);
-            Y[r * N + j + u] = float_to_bf16(s);
+            _mm512_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
+            _mm512_storeu_ps(state + (u * R + r) * STATE + 16, off[u][r]);
         }
+}
+
+static inline float total(const float* sums) {
+    return hsum16(_mm512_add_ps(_mm512_loadu_ps(sums), _mm512_loadu_ps(sums + 16)));
 }
 #else
 #define INT4_VNNI 0
-constexpr int PASS = 4;  // rows per pass: two 8-lane accumulators each
+constexpr int PASS = 4;  // rows per pass
 constexpr const char* PATH = "avx2";
 
-// As above on 8 lanes: each chunk in two halves of two blocks, the integer dot of a lane by
-// vpmaddubsw (u8 · s8 pairs into int16: at most 2 · 15 · 127 each, then lo + hi, exact) and vpmaddwd.
+// As above on 8 lanes, a group in two halves (blocks 0-7, 8-15); a lane's integer sum by vpmaddubsw
+// (u8 · s8 pairs into int16, at most 2 · 15 · 127) summed over the four slices in int16 (at most
+// 16 · 15 · 127 = 30,480: exact), then vpmaddwd into int32.
+constexpr int STATE = 8;  // floats of a row's sums per output (8 lanes)
+
 template <int R, int J>
-static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, const uint16_t* bias, uint16_t* Y,
-                        long j, long K, long N) {
-    const long nb = K / BLOCK, C = X[0].chunks;
+static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, float* state, long j, long K,
+                        long ga, long gb) {
+    const long nb = K / BLOCK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256i pick_scale = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m256i high16 = _mm256_set1_epi32((int)0xffff0000u), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 dot[J][R];
-    __m128 off[J][R];  // the zeros' term: (scale, zero) pairs times t's (-8 T, T)
     for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) dot[u][r] = _mm256_setzero_ps(), off[u][r] = _mm_setzero_ps();
-    for (long c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) dot[u][r] = _mm256_loadu_ps(state + (u * R + r) * STATE);
+    for (long gi = ga; gi < gb; gi++) {
+        const long b0 = gi * GROUP;
+        const int g = group_size(nb, gi);
         for (int half = 0; half < 2; half++) {
-            const long first = c * CHUNK + 2 * half;  // the half's first block
-            if (first >= nb) break;
-            const bool both = first + 1 < nb;
+            const int lanes = g - 8 * half;
+            if (lanes <= 0) break;
+            const bool full = lanes >= 8;
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), lane);
             for (int u = 0; u < J; u++) {
-                const long blk = (j + u) * nb + first;
-                const uint8_t* q = Q + blk * 16;
+                const long blk = (j + u) * nb + b0;
+                const uint8_t* q = Q + blk * 16 + 32 * half;
+                const uint16_t* s = S + 2 * blk + 16 * half;
                 _mm_prefetch((const char*)q + Q_AHEAD, _MM_HINT_T0);
-                _mm_prefetch((const char*)(S + 2 * blk) + Q_AHEAD / 4, _MM_HINT_T0);
-                const __m256i v = both ? _mm256_loadu_si256((const __m256i*)q)
-                                       : _mm256_inserti128_si256(_mm256_setzero_si256(),
-                                                                 _mm_loadu_si128((const __m128i*)q), 0);
-                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                uint16_t sz4[4] = {S[2 * blk], S[2 * blk + 1], both ? S[2 * blk + 2] : (uint16_t)0,
-                                   both ? S[2 * blk + 3] : (uint16_t)0};
-                const __m256 sz = _mm256_castsi256_ps(
-                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)sz4)), 16));
-                const __m256 scale = _mm256_permutevar8x32_ps(sz, pick_scale);
-                const __m128 pairs = _mm256_castps256_ps128(sz);
+                _mm_prefetch((const char*)q + Q_AHEAD + 64, _MM_HINT_T0);
+                _mm_prefetch((const char*)s + Q_AHEAD / 4, _MM_HINT_T0);
+                __m256i p[R];
+                for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) {
+                    const int* at = (const int*)(q + 4 * g * k);
+                    const __m256i v = full ? _mm256_loadu_si256((const __m256i*)at) : _mm256_maskload_epi32(at, mask);
+                    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xl = _mm256_loadu_si256((const __m256i*)(X[r].xs(gi, 2 * k) + 32 * half));
+                        const __m256i xh = _mm256_loadu_si256((const __m256i*)(X[r].xs(gi, 2 * k + 1) + 32 * half));
+                        p[r] = _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                       _mm256_maddubs_epi16(hi, xh)));
+                    }
+                }
+                const __m256i sz = full ? _mm256_loadu_si256((const __m256i*)s) : _mm256_maskload_epi32((const int*)s, mask);
+                const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
+                const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sz, high16));
                 for (int r = 0; r < R; r++) {
-                    const long at = 64 * c + 32 * half;
-                    const __m256i p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(X[r].xl + at))),
-                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(X[r].xh + at))));
-                    const __m256i acc = _mm256_madd_epi16(p, ones);
-                    const long lane = 16 * c + 8 * half;
-                    const __m256 step = _mm256_mul_ps(scale, _mm256_loadu_ps(X[r].d + lane));
+                    const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(p[r], ones),
+                                                         _mm256_loadu_si256((const __m256i*)(X[r].init(gi) + 8 * half)));
+                    const __m256 step = _mm256_mul_ps(scale, _mm256_loadu_ps(X[r].d(gi) + 8 * half));
                     dot[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), step, dot[u][r]);
-                    off[u][r] = _mm_fmadd_ps(pairs, _mm_loadu_ps(X[r].t + 8 * c + 4 * half), off[u][r]);
+                    dot[u][r] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(X[r].dt(gi) + 8 * half), dot[u][r]);
                 }
             }
         }
     }
     for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) {
-            const __m128 o = _mm_add_ps(off[u][r], _mm_movehl_ps(off[u][r], off[u][r]));
-            float s = hsum(dot[u][r]) + _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
-            if (bias) s += bf16_to_float(bias[j + u]);
-            Y[r * N + j + u] = float_to_bf16(s);
-        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
 }
+
+static inline float total(const float* sums) { return hsum(_mm256_loadu_ps(sums)); }
 #endif
 
-// Output rows j0..j1 for R rows: J output rows at a time where one or two rows leave units idle.
+constexpr long TASK = 16;              // output rows per task
+constexpr long L1_PREPARED = 20 << 10;  // bytes of prepared rows a tile of groups keeps in L1
+
+// Output rows j0..j1 (at most TASK) for R rows: J output rows at a time where one or two rows leave
+// units idle; groups in tiles whose prepared rows stay in L1 while every output row reads them (a
+// long K, as the MLP's down projection's, would otherwise stream R prepared rows from L2 for each
+// output). Sums are kept per lane across tiles, so a row's arithmetic is the same for any tiling.
 template <int R>
 static void span(const uint8_t* Q, const uint16_t* S, const Prepared* X, const uint16_t* bias, uint16_t* Y, long j0,
                  long j1, long K, long N) {
     constexpr int J = R == 1 ? 4 : R == 2 ? 2 : 1;
-    long j = j0;
-    for (; j + J <= j1; j += J) rows<R, J>(Q, S, X, bias, Y, j, K, N);
-    for (; j < j1; j++) rows<R, 1>(Q, S, X, bias, Y, j, K, N);
+    const long G = X[0].groups, tile = std::max<long>(1, L1_PREPARED / (R * PREPARED_BYTES));
+    alignas(64) float state[TASK * R * STATE];
+    memset(state, 0, sizeof(float) * (j1 - j0) * R * STATE);
+    for (long ga = 0; ga < G; ga += tile) {
+        const long gb = std::min(G, ga + tile);
+        long j = j0;
+        for (; j + J <= j1; j += J) rows<R, J>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb);
+        for (; j < j1; j++) rows<R, 1>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb);
+    }
+    for (long j = j0; j < j1; j++)
+        for (int r = 0; r < R; r++) {
+            float s = total(state + ((j - j0) * R + r) * STATE);
+            if (bias) s += bf16_to_float(bias[j]);
+            Y[r * N + j] = float_to_bf16(s);
+        }
 }
 
 static int product(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* Y, long N,
                    long K, int R, int R_out, int threads) {
     if (R < 1 || R > MAX_ROWS || R_out < R || R_out > MAX_ROWS || K % BLOCK) return 1;
     static thread_local std::vector<uint8_t> work;  // the prepared rows, kept between calls
-    const size_t per_row = chunks_of(K) * PREPARED_BYTES;
+    const size_t per_row = groups_of(K) * PREPARED_BYTES;
     if (work.size() < R * per_row) work.resize(R * per_row);
     Prepared X[MAX_ROWS];
     for (int r = 0; r < R; r++) X[r] = prepare(x + (long)r * K, K, work.data() + r * per_row);
-    const long chunk = 16;  // output rows per task
-    const long tasks = (N + chunk - 1) / chunk;
+    const long tasks = (N + TASK - 1) / TASK;
     for (int c = 0; c < R; c += PASS) {
         const int n = R - c < PASS ? R - c : PASS;
         const Prepared* Xc = X + c;
         uint16_t* Yc = Y + c * N;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (long t = 0; t < tasks; t++) {
-            const long j0 = t * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+            const long j0 = t * TASK, j1 = j0 + TASK < N ? j0 + TASK : N;
             switch (n) {
                 case 1: span<1>(Q, S, Xc, bias, Yc, j0, j1, K, N); break;
                 case 2: span<2>(Q, S, Xc, bias, Yc, j0, j1, K, N); break;
@@ -265,13 +311,13 @@ static inline void store16(float* w, __m256 a, __m256 b) {
     _mm256_storeu_ps(w + 8, b);
 }
 
-// One block's 32 weights from its 16 bytes of nibbles: eight weights an FMA (the scalar fmaf's
-// rounding), stored as float32 or bfloat16.
+// One block's 32 weights from its 16 bytes of nibbles (byte i: element i low, i + 16 high): eight
+// weights an FMA (the scalar fmaf's rounding), stored as float32 or bfloat16.
 template <typename E>
-static inline void unpack_block(const uint8_t* q, __m256 scale, __m256 zero, E* w) {
+static inline void unpack_block(__m128i bytes, __m256 scale, __m256 zero, E* w) {
     const __m256i low4 = _mm256_set1_epi32(15);
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));      // bytes 0-7
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));  // bytes 8-15
+    const __m256i b0 = _mm256_cvtepu8_epi32(bytes);                      // bytes 0-7
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8-15
     store16(w, weights8(_mm256_and_si256(b0, low4), scale, zero), weights8(_mm256_and_si256(b1, low4), scale, zero));
     store16(w + 16, weights8(_mm256_srli_epi32(b0, 4), scale, zero), weights8(_mm256_srli_epi32(b1, 4), scale, zero));
 }
@@ -279,28 +325,39 @@ static inline void unpack_block(const uint8_t* q, __m256 scale, __m256 zero, E* 
 #if defined(__AVX512BW__)
 // bfloat16 on AVX-512BW: the block's sixteen possible values (q = 0..15, the same FMA and rounding
 // as above) computed once, then its 32 nibbles looked up (vpermw).
-static inline void unpack_block(const uint8_t* q, __m256 scale, __m256 zero, uint16_t* w) {
+static inline void unpack_block(__m128i bytes, __m256 scale, __m256 zero, uint16_t* w) {
     const __m256i values = bf16x16(weights8(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), scale, zero),
                                    weights8(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15), scale, zero));
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)q));
-    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
-                                           _mm256_srli_epi16(bytes, 4), 1);
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(wide, _mm256_set1_epi16(15))),
+                                           _mm256_srli_epi16(wide, 4), 1);
     _mm512_storeu_si512(w, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(values)));
 }
 #endif
+
+// Block l of a group of g blocks starting at q: its four bytes of each slice, as one block's 16 bytes.
+static inline __m128i block_bytes(const uint8_t* q, int g, int l) {
+    int part[4];
+    for (int k = 0; k < 4; k++) memcpy(part + k, q + 4 * g * k + 4 * l, 4);
+    return _mm_setr_epi32(part[0], part[1], part[2], part[3]);
+}
 
 // W [N, K] as float32 (or bfloat16, each value rounded once), each weight (q - 8) · scale + zero
 // (for prefills, which run a GEMM), so the prefill's unpacking streams near the memory's rate.
 template <typename E>
 static int dequantize(const uint8_t* Q, const uint16_t* S, E* W, long N, long K, int threads) {
     if (K % BLOCK) return 1;
-    const long nb = K / BLOCK;
+    const long nb = K / BLOCK, G = groups_of(K);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long j = 0; j < N; j++)
-        for (long b = 0; b < nb; b++) {
-            const long blk = j * nb + b;
-            unpack_block(Q + blk * 16, _mm256_set1_ps(bf16_to_float(S[2 * blk])),
-                         _mm256_set1_ps(bf16_to_float(S[2 * blk + 1])), W + j * K + b * BLOCK);
+        for (long gi = 0; gi < G; gi++) {
+            const int g = group_size(nb, gi);
+            const uint8_t* q = Q + (j * nb + gi * GROUP) * 16;
+            for (int l = 0; l < g; l++) {
+                const long b = gi * GROUP + l, blk = j * nb + b;
+                unpack_block(block_bytes(q, g, l), _mm256_set1_ps(bf16_to_float(S[2 * blk])),
+                             _mm256_set1_ps(bf16_to_float(S[2 * blk + 1])), W + j * K + b * BLOCK);
+            }
         }
     return 0;
 }
