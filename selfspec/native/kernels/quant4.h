@@ -58,33 +58,50 @@ struct Prepared {
 };
 static constexpr long PREPARED_BYTES = 704;
 
-// Row x [K] (bfloat16 bits) into `out` (groups_of(K) · PREPARED_BYTES bytes). A block holding a NaN
-// or an infinity gets dx NaN, so the row's outputs are NaN, as the float products give.
+// Row x [K] (bfloat16 bits) into `out` (groups_of(K) · PREPARED_BYTES bytes), eight elements a
+// vector: xq = x · (127 / max |x|) rounded half to even (cvtps2dq). A block holding a NaN or an
+// infinity gets dx NaN and xq 0, so the row's outputs are NaN, as the float products give.
 static Prepared prepare(const uint16_t* x, long K, uint8_t* out) {
     const long G = groups_of(K), nb = K / BLOCK;
     memset(out, 0, G * PREPARED_BYTES);
     const Prepared P{G, out};
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), zero = _mm256_setzero_ps();
+    const __m256i words = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' order back to elements'
     for (long b = 0; b < nb; b++) {
         const uint16_t* xb = x + b * BLOCK;
-        float v[BLOCK], amax = 0.f, poison = 0.f;
-        for (int i = 0; i < BLOCK; i++) {
-            v[i] = bf16_to_float(xb[i]);
-            amax = std::max(amax, std::fabs(v[i]));
-            poison += v[i] * 0.f;  // NaN when any element is a NaN or an infinity
+        __m256 v[4], amax = zero, poison = zero;
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xb + 8 * i))), 16));
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+            poison = _mm256_add_ps(poison, _mm256_mul_ps(v[i], zero));  // NaN when any is a NaN or an infinity
         }
-        const bool finite = poison == 0.f;
-        const float dx = finite ? amax / 127.f : NAN;
-        const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
-        int8_t xq[BLOCK];
+        float lanes[8], sums[8];
+        _mm256_storeu_ps(lanes, amax);
+        _mm256_storeu_ps(sums, poison);
+        float top = 0.f, nan = 0.f;
+        for (int i = 0; i < 8; i++) top = std::max(top, lanes[i]), nan += sums[i];
+        const bool finite = nan == 0.f;
+        const float dx = finite ? top / 127.f : NAN;
+        const float inv = finite && top > 0.f ? 127.f / top : 0.f;
+        int32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 4-byte words of xq: elements 0-3, 4-7, ..., 28-31
         int sum = 0;
-        for (int e = 0; e < BLOCK; e++) {
-            xq[e] = finite ? (int8_t)std::nearbyint(v[e] * inv) : 0;  // round half to even, as cvtps2dq
-            sum += xq[e];
+        if (finite) {
+            __m256i q[4], total = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+                total = _mm256_add_epi32(total, q[i]);
+            }
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i*)w, _mm256_permutevar8x32_epi32(bytes, words));
+            int32_t t[8];
+            _mm256_storeu_si256((__m256i*)t, total);
+            for (int i = 0; i < 8; i++) sum += t[i];
         }
         const long gi = b / GROUP, l = b % GROUP;
         for (int k = 0; k < 4; k++) {
-            memcpy((int8_t*)P.xs(gi, 2 * k) + 4 * l, xq + 4 * k, 4);
-            memcpy((int8_t*)P.xs(gi, 2 * k + 1) + 4 * l, xq + 16 + 4 * k, 4);
+            memcpy((int8_t*)P.xs(gi, 2 * k) + 4 * l, w + k, 4);
+            memcpy((int8_t*)P.xs(gi, 2 * k + 1) + 4 * l, w + 4 + k, 4);
         }
         ((int32_t*)P.init(gi))[l] = -8 * sum;
         ((float*)P.d(gi))[l] = dx;
