@@ -63,7 +63,7 @@ static constexpr long PREPARED_BYTES = 704;
 // infinity gets dx NaN and xq 0, so the row's outputs are NaN, as the float products give.
 static Prepared prepare(const uint16_t* x, long K, uint8_t* out) {
     const long G = groups_of(K), nb = K / BLOCK;
-    memset(out, 0, G * PREPARED_BYTES);
+    if (nb % GROUP) memset(out + (G - 1) * PREPARED_BYTES, 0, PREPARED_BYTES);  // a part-filled group's padding
     const Prepared P{G, out};
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), zero = _mm256_setzero_ps();
     const __m256i words = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' order back to elements'
@@ -122,14 +122,14 @@ constexpr int STATE = 32;  // floats of a row's sums per output (dot and off, 16
 // once for them, so a pass of one or two rows has enough independent chains and fewer loads.
 template <int R, int J>
 static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, float* state, long j, long K,
-                        long ga, long gb) {
+                        long ga, long gb, const uint16_t* bias, uint16_t* Y, long N) {
     const long nb = K / BLOCK;
     const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
     __m512 dot[J][R], off[J][R];  // per lane: dx · scale · bracket, and zero · dx · Σ xq
     for (int u = 0; u < J; u++)
         for (int r = 0; r < R; r++) {
-            dot[u][r] = _mm512_loadu_ps(state + (u * R + r) * STATE);
-            off[u][r] = _mm512_loadu_ps(state + (u * R + r) * STATE + 16);
+            dot[u][r] = ga ? _mm512_loadu_ps(state + (u * R + r) * STATE) : _mm512_setzero_ps();
+            off[u][r] = ga ? _mm512_loadu_ps(state + (u * R + r) * STATE + 16) : _mm512_setzero_ps();
         }
     for (long gi = ga; gi < gb; gi++) {
         const long b0 = gi * GROUP;
@@ -178,13 +178,15 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
     }
     for (int u = 0; u < J; u++)
         for (int r = 0; r < R; r++) {
-            _mm512_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
-            _mm512_storeu_ps(state + (u * R + r) * STATE + 16, off[u][r]);
+            if (gb < X[0].groups) {  // more tiles to come
+                _mm512_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
+                _mm512_storeu_ps(state + (u * R + r) * STATE + 16, off[u][r]);
+                continue;
+            }
+            float s = hsum16(_mm512_add_ps(dot[u][r], off[u][r]));
+            if (bias) s += bf16_to_float(bias[j + u]);
+            Y[r * N + j + u] = float_to_bf16(s);
         }
-}
-
-static inline float total(const float* sums) {
-    return hsum16(_mm512_add_ps(_mm512_loadu_ps(sums), _mm512_loadu_ps(sums + 16)));
 }
 #else
 #define INT4_VNNI 0
@@ -198,13 +200,13 @@ constexpr int STATE = 8;  // floats of a row's sums per output (8 lanes)
 
 template <int R, int J>
 static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, float* state, long j, long K,
-                        long ga, long gb) {
+                        long ga, long gb, const uint16_t* bias, uint16_t* Y, long N) {
     const long nb = K / BLOCK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i high16 = _mm256_set1_epi32((int)0xffff0000u), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 dot[J][R];
     for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) dot[u][r] = _mm256_loadu_ps(state + (u * R + r) * STATE);
+        for (int r = 0; r < R; r++) dot[u][r] = ga ? _mm256_loadu_ps(state + (u * R + r) * STATE) : _mm256_setzero_ps();
     for (long gi = ga; gi < gb; gi++) {
         const long b0 = gi * GROUP;
         const int g = group_size(nb, gi);
@@ -247,10 +249,16 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
         }
     }
     for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
+        for (int r = 0; r < R; r++) {
+            if (gb < X[0].groups) {  // more tiles to come
+                _mm256_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
+                continue;
+            }
+            float s = hsum(dot[u][r]);
+            if (bias) s += bf16_to_float(bias[j + u]);
+            Y[r * N + j + u] = float_to_bf16(s);
+        }
 }
-
-static inline float total(const float* sums) { return hsum(_mm256_loadu_ps(sums)); }
 #endif
 
 constexpr long TASK = 16;              // output rows per task
@@ -266,20 +274,13 @@ static void span(const uint8_t* Q, const uint16_t* S, const Prepared* X, const u
                  long j1, long K, long N) {
     constexpr int J = R <= 2 ? 4 : 1;
     const long G = X[0].groups, tile = std::max<long>(1, L1_PREPARED / (R * PREPARED_BYTES));
-    alignas(64) float state[TASK * R * STATE];
-    memset(state, 0, sizeof(float) * (j1 - j0) * R * STATE);
+    alignas(64) float state[TASK * R * STATE];  // sums between tiles (the first tile starts at zero, the last writes y)
     for (long ga = 0; ga < G; ga += tile) {
         const long gb = std::min(G, ga + tile);
         long j = j0;
-        for (; j + J <= j1; j += J) rows<R, J>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb);
-        for (; j < j1; j++) rows<R, 1>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb);
+        for (; j + J <= j1; j += J) rows<R, J>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb, bias, Y, N);
+        for (; j < j1; j++) rows<R, 1>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb, bias, Y, N);
     }
-    for (long j = j0; j < j1; j++)
-        for (int r = 0; r < R; r++) {
-            float s = total(state + ((j - j0) * R + r) * STATE);
-            if (bias) s += bf16_to_float(bias[j]);
-            Y[r * N + j] = float_to_bf16(s);
-        }
 }
 
 static int product(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* Y, long N,
