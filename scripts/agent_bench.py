@@ -100,6 +100,7 @@ def _cpu() -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="bundled name, checkpoint or .gguf (default: smollm2)")
+    p.add_argument("--dtype", default="auto", help="as selfspec generate's --dtype (default auto: the model's default)")
     p.add_argument("--methods", default="ar,lookup,hybrid,suffix", help="comma-separated; the first is the baseline")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per turn (default 128)")
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--sessions", default=None, help="a sessions JSONL file (default: the bundled agent_sessions)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
-    model = selfspec.load(args.model, progress=False)
+    model = selfspec.load(args.model, dtype=args.dtype, progress=False)
     sessions = load_sessions(args.sessions)
     methods = args.methods.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in methods}

@@ -1,7 +1,8 @@
 """The verify's measured seconds by row count, per model: what a draft of n tokens costs here.
 
-A verify over n + 1 rows costs v(n + 1) plain steps, and v differs by model, dtype and CPU (on a
-2-core AMD EPYC in int4: Qwen2.5-Coder 1.5B v(4) = 1.57, 0.5B 1.61; on an AMX Xeon nearly 1).
+A verify over n + 1 rows costs v(n + 1) plain steps, and v differs by model, dtype and CPU, and
+on one machine with its memory's speed of the day (on a 2-core AMD EPYC in int4, Qwen2.5-Coder 1.5B
+and 0.5B: v(4) 1.5-1.8; on an AMX Xeon nearly 1).
 Every lone verify the engine runs adds its seconds here (a smoothed figure per row count), so a
 drafter that can choose its length (suffix decoding) weighs the tokens a longer draft may add
 against what the longer verify costs on this machine, without a separate measurement. Verifies

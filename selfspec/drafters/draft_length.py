@@ -11,7 +11,7 @@ m + 1 rows takes T(m + 1) seconds on this machine (selfspec.core.verify_clock, m
 engine's own verifies). The draft is cut to the m that maximises E(m) / T(m + 1), m = 0 (a plain
 step) included. Before any verify was timed the draft is left whole. Where a verify's extra rows
 cost little (an AMX CPU, a GPU) long drafts stay long; where each row costs (a 2-core AVX-512 CPU
-in int4: v(4) ≈ 1.6), a draft of doubtful tail is cut. Any cut keeps the output exact: only speed
+in int4: v(4) 1.5-1.8), a draft of doubtful tail is cut. Any cut keeps the output exact: only speed
 moves.
 """
 
