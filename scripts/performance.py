@@ -78,17 +78,17 @@ SECTIONS = [
             Source("results/gpu_h200/scale/bench_auto_t0.7.md", "SmolLM2, `auto` under sampling, temperature 0.7"),
             Source("results/gpu_h200/scale/bench_auto_t1.0.md", "SmolLM2, `auto` under sampling, temperature 1.0"),
             Source("results/fused/bench_gemma3.md", "Gemma 3 270M (its `auto` is lookup γ ≤ 3)"),
-            Source("results/qwen_prefill/bench_code_q05b.md",
+            Source("results/qwen_groups/bench_code_q05b.md",
                    "Qwen2.5-Coder 0.5B in int4 (its default here: selfspec's 4-bit kernel) with its shipped feature head, "
                    "against llama.cpp, code prompts, γ ≤ 2 (its `auto`)"),
-            Source("results/qwen_prefill/bench_chat_q05b.md",
+            Source("results/qwen_groups/bench_chat_q05b.md",
                    "Qwen2.5-Coder 0.5B in int4 against llama.cpp, chat prompts, γ ≤ 2 (its head was trained on code)"),
             Source("results/fused/bench_qwen05_code.md", "Qwen2.5-Coder 0.5B in bfloat16, code prompts (lookup γ ≤ 3)"),
             Source("results/qwen_coder_05b/bench_chat.md", "Qwen2.5-Coder 0.5B, chat prompts, every method"),
-            Source("results/qwen_prefill/bench_code_q15b.md",
+            Source("results/qwen_groups/bench_code_q15b.md",
                    "Qwen2.5-Coder 1.5B in int4 (its default here: selfspec's 4-bit kernel) with its shipped feature head, "
                    "against llama.cpp, code prompts, γ = 1 (its `auto`: a 2-row verify costs about one step here)"),
-            Source("results/qwen_prefill/bench_chat_q15b.md",
+            Source("results/qwen_groups/bench_chat_q15b.md",
                    "Qwen2.5-Coder 1.5B in int4 against llama.cpp, chat prompts, γ = 1 (long prompts: the prefill is most of the time)"),
             Source("results/qwen_int4/bench_qwen15_int4pack.md",
                    "Qwen2.5-Coder 1.5B in int4 through PyTorch's int4 kernel (`SELFSPEC_INT4_LAYOUT=int4pack`) against llama.cpp"),
@@ -137,9 +137,9 @@ SERVING = [
 
 STEP_COSTS = [
     Source("results/qwen_int4/step_costs_qwen15.md", "Qwen2.5-Coder 1.5B, int4: `.venv/bin/python scripts/step_costs.py "
-           "--model qwen2.5-coder-1.5b --dtype int4 --mode exact --repeats 7`", load=True),
+           "--model qwen2.5-coder-1.5b --dtype int4 --mode exact --repeats 31`", load=True),
     Source("results/qwen_int4/step_costs_qwen05.md", "Qwen2.5-Coder 0.5B, int4: `.venv/bin/python scripts/step_costs.py "
-           "--model qwen2.5-coder-0.5b --dtype int4 --mode exact --repeats 7`", load=True),
+           "--model qwen2.5-coder-0.5b --dtype int4 --mode exact --repeats 31`", load=True),
 ]
 HEADS = [  # (model, prompts, the feature_heldout.py results file)
     ("Qwen2.5-Coder 0.5B", "code (the 8 bundled code prompts)", "results/qwen_heads/heldout_code_q05b.json"),
