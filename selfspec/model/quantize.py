@@ -171,8 +171,8 @@ class Int4Linear(torch.nn.Module):
     """y = x · Wᵀ (+ bias), W [out, in] as 4-bit groups of 32 with a bfloat16 scale and zero each,
     in one of two layouts (`layout`):
 
-    "blocks": packed [out, in / 32, 16] uint8 and scales_zeros [out, in / 32, 2], selfspec's 4-bit
-    product kernel's (selfspec.native.gemv.int4_linear), where that kernel runs; decode forwards of
+    "blocks": packed [out, in / 32, 16] uint8 (a row's blocks interleaved in groups of 16:
+    to_groups) and scales_zeros [out, in / 32, 2], selfspec's 4-bit product kernel's (selfspec.native.gemv.int4_linear), where that kernel runs; decode forwards of
     up to gemv.MAX_ROWS rows stream them once, prefills dequantize them for a GEMM.
     "int4pack": packed [out, in / 2] uint8 and scales_zeros [in / 32, out, 2], PyTorch's
     `_weight_int4pack_mm_for_cpu`'s, elsewhere. Both hold the same weights."""
