@@ -48,15 +48,17 @@ static inline int group_size(long nb, long gi) { return (int)std::min<long>(GROU
 // xs [8][64] int8, xs[2k] lane l holding block l's xq elements 4k..4k+3 and xs[2k + 1] its 16 + 4k..,
 // matching Q's slices; then init [16] int32 (-8 Σ xq of block l), d [16] float (its dx) and dt [16]
 // float (dx · Σ xq).
+static constexpr long PREPARED_BYTES = 8 * 64 + 3 * 64;  // xs, then init, d and dt (16 four-byte lanes each)
+
 struct Prepared {
     long groups;
     const uint8_t* base;
-    const int8_t* xs(long gi, int s) const { return (const int8_t*)(base + gi * 704 + 64 * s); }
-    const int32_t* init(long gi) const { return (const int32_t*)(base + gi * 704 + 512); }
-    const float* d(long gi) const { return (const float*)(base + gi * 704 + 576); }
-    const float* dt(long gi) const { return (const float*)(base + gi * 704 + 640); }
+    const uint8_t* group(long gi) const { return base + gi * PREPARED_BYTES; }
+    const int8_t* xs(long gi, int s) const { return (const int8_t*)(group(gi) + 64 * s); }
+    const int32_t* init(long gi) const { return (const int32_t*)(group(gi) + 8 * 64); }
+    const float* d(long gi) const { return (const float*)(group(gi) + 9 * 64); }
+    const float* dt(long gi) const { return (const float*)(group(gi) + 10 * 64); }
 };
-static constexpr long PREPARED_BYTES = 704;
 
 // Row x [K] (bfloat16 bits) into `out` (groups_of(K) · PREPARED_BYTES bytes), eight elements a
 // vector: xq = x · (127 / max |x|) rounded half to even (cvtps2dq). A block holding a NaN or an
