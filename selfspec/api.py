@@ -455,6 +455,7 @@ def load(
     compile: bool | None = None,
     exact: bool | None = None,
     lean: bool = True,
+    head: str = "int8",
 ) -> SelfSpecModel:
     """Load a bundled model by name ("smollm2", the default; "gemma3"), a local Hugging Face
     checkpoint directory or a .gguf file.
@@ -464,13 +465,17 @@ def load(
     selfspec.model.quantize). compile: compile the decode step (None: `default_compile`). exact: every
     forward in one fixed row bucket, so greedy output is bit-identical to AR by construction (None:
     on for bfloat16 and int4, off otherwise; see `default_exact`). lean:
-    False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path."""
+    False keeps the HF modules' weights exactly as loaded (training) and decodes on the general path.
+    head: an int4 model's LM head, "int8" (the default) or "int4" (4-bit groups as its layers:
+    fewer bytes a step, less fidelity; see selfspec.model.quantize.quantize_int4)."""
     if dtype == "auto":
         dtype = default_dtype(device, model)
         if dtype == "int4" and progress:
             print(f"selfspec: note: --dtype auto runs {model} in int4 (its GGUF's 4-bit weights through selfspec's "
                   "4-bit kernel); --dtype bfloat16 for 16-bit weights", file=sys.stderr)
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if head != "int8" and name != "int4":
+        raise ValueError(f"--head-dtype {head} needs --dtype int4 (this model runs in {name})")
     quantize = {"int8": quantize_int8, "int4": quantize_int4}.get(dtype) if isinstance(dtype, str) else None
     if quantize is not None:
         if dtype == "int4" and torch.device(device).type != "cpu":
@@ -482,7 +487,7 @@ def load(
         dtype = DTYPES[dtype]
     if quantize is not None and torch.device(device).type == "cpu":
         # Quantized once per model and mode, then read back as such (selfspec.model.quantized_cache).
-        loaded: LoadedModel = load_quantized(model, name, progress=progress)
+        loaded: LoadedModel = load_quantized(model, name, progress=progress, head=head)
     else:
         loaded = load_hf(model, dtype=dtype, device=device, progress=progress)
         if quantize is not None:

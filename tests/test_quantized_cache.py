@@ -23,7 +23,7 @@ def _checkpoint(directory, arch="llama", dtype=torch.float32):
 
 
 def _no_quantizing(monkeypatch):
-    def refuse(model):
+    def refuse(model, **options):
         raise AssertionError("quantized again")
 
     monkeypatch.setattr(quantized_cache, "QUANTIZERS", {"int8": refuse, "int4": refuse})
@@ -93,7 +93,7 @@ def test_another_key_or_changed_checkpoint_quantizes_again(tmp_path, monkeypatch
     load_quantized(str(ckpt), "int8", cache=cache, progress=False)
     path = home(ckpt, cache) / file_name("int8")
     real_key = quantized_cache.key
-    monkeypatch.setattr(quantized_cache, "key", lambda mode: {**real_key(mode), "quantizer": "changed"})
+    monkeypatch.setattr(quantized_cache, "key", lambda *a: {**real_key(*a), "quantizer": "changed"})
     calls = []
     real = quantized_cache.QUANTIZERS["int8"]
     monkeypatch.setitem(quantized_cache.QUANTIZERS, "int8", lambda m: calls.append(1) or real(m))
@@ -243,3 +243,62 @@ def test_the_embedding_is_stored_as_int8_rows_and_read_back_exactly(tmp_path, mo
     _no_quantizing(monkeypatch)
     cached = load_quantized(str(ckpt), mode, cache=cache, progress=False).model
     assert torch.equal(cached.get_input_embeddings().weight, table) and hasattr(cached, EMBEDDING_INT8) == tied
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "llama"])  # a tied embedding and an untied one
+def test_a_4bit_head_is_stored_with_the_embeddings_own_int8_rows(tmp_path, monkeypatch, arch):
+    from safetensors import safe_open
+
+    from selfspec.model.quantize import EMBEDDING_INT8, dequantize_blocks, int8_rows
+
+    ckpt = _checkpoint(tmp_path / f"tiny-{arch}", arch)
+    cache = tmp_path / "cache"
+    dense = load_hf(str(ckpt), dtype=torch.bfloat16, progress=False).model
+    table, head_weight = dense.get_input_embeddings().weight, dense.lm_head.weight
+    fresh = load_quantized(str(ckpt), "int4", cache=cache, progress=False, head="int4").model
+    assert isinstance(fresh.lm_head, Int4Linear) and not hasattr(fresh, EMBEDDING_INT8)
+    # the head: the bfloat16 head's 4-bit groups, each weight within one step of its group
+    w = dequantize_blocks(fresh.lm_head.packed, fresh.lm_head.scales_zeros)
+    step = fresh.lm_head.scales_zeros[..., 0].float().repeat_interleave(32, dim=1)
+    assert ((w - head_weight.float()).abs() <= step * 0.51 + head_weight.float().abs() * 2**-7).all()
+    # the embedding: its own int8 rows, as the int8 head's model has them (a tied table's too)
+    q, scale = int8_rows(table, table.dtype)
+    assert torch.equal(fresh.get_input_embeddings().weight, dequantize_rows_of(q, scale))
+    path = home(ckpt, cache) / "selfspec-int4-blocks-head4.safetensors"
+    assert path == home(ckpt, cache) / file_name("int4", "int4") and not (home(ckpt, cache) / file_name("int4")).exists()
+    with safe_open(str(path), "pt") as f:
+        assert {"selfspec_embedding.weight", "lm_head.packed"} <= set(f.keys())
+    _no_quantizing(monkeypatch)
+    cached = load_quantized(str(ckpt), "int4", cache=cache, progress=False, head="int4")
+    _assert_same(fresh, cached.model)
+    with pytest.raises(AssertionError, match="quantized again"):  # the int8 head's file is another
+        load_quantized(str(ckpt), "int4", cache=cache, progress=False)
+    with pytest.raises(ValueError, match="head"):
+        load_quantized(str(ckpt), "int8", cache=cache, progress=False, head="int4")
+
+
+def dequantize_rows_of(q, scale):
+    from selfspec.model.quantize import dequantize_rows
+
+    return dequantize_rows(q, scale, torch.bfloat16)
+
+
+def test_a_4bit_head_decodes_losslessly_and_its_draft_rows_are_its_own(tmp_path, monkeypatch):
+    from selfspec.heads.draft_head import PrunedHead
+    from selfspec.model.quantize import dequantize_blocks
+
+    ckpt = _checkpoint(tmp_path / "tiny-qwen2", "qwen2")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model = selfspec.load(str(ckpt), dtype="int4", head="int4", progress=False)
+    head = model.adapter.lm_head
+    assert isinstance(head, Int4Linear)
+    ids = torch.tensor([3, 40, 7])
+    pruned = PrunedHead(model.adapter, ids)
+    want = dequantize_blocks(head.packed, head.scales_zeros)[ids].bfloat16()
+    assert torch.equal(pruned.weight, want) and pruned.built_for(model.adapter)
+    prompt = PROMPT * 3
+    ar = model.generate(prompt, method="ar", max_new_tokens=24).tokens
+    for method in ("lookup", "suffix", "early-exit"):
+        assert model.generate(prompt, method=method, max_new_tokens=24).tokens == ar, method
+    with pytest.raises(ValueError, match="--dtype int4"):
+        selfspec.load(str(ckpt), dtype="int8", head="int4", progress=False)

@@ -61,6 +61,12 @@ def model_group(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
                    help=dtype or DTYPE_HELP)
+    g.add_argument("--head-dtype", default="int8", choices=["int8", "int4"],
+                   help="an int4 model's LM head: int8 (default; llama.cpp's Q4_K_M keeps its output matrix at 6 "
+                        "bits) or int4, 4-bit groups of 32 as its layers: Qwen2.5-Coder 1.5B's one-token step read "
+                        "a sixth fewer bytes and took 0.88x the time (2-core AMD EPYC), and its greedy text matched "
+                        "the int8 head's on 5 of 8 code prompts over 64 tokens (lossless still holds: every method "
+                        "reproduces plain decoding with the same head)")
 
 
 def engine_options(p: argparse.ArgumentParser, exact: str | None = None) -> None:
@@ -180,7 +186,8 @@ def load(args, **overrides):
     """The model named by the shared model options (`model_options`); `overrides` win."""
     import selfspec
 
-    options = dict(dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
+    options = dict(dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact,
+                   head=getattr(args, "head_dtype", "int8"))
     return selfspec.load(args.model, **{**options, **overrides})
 
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from selfspec.heads import tagged_file
 from selfspec.native.gemv import project
 from selfspec.model.profiles import ModelIdentity, profiles_dir
-from selfspec.model.quantize import float_weight
+from selfspec.model.quantize import float_weight, stored_weight
 
 SECTION = "draft-head"  # the profile section naming this model's token ranking
 FORMAT = "selfspec-draft-head/1"
@@ -59,11 +59,11 @@ class PrunedHead:
         if ids.unique().numel() != ids.numel():
             raise ValueError("a draft head's token ids must be distinct")
         self.ids = ids  # [N]: subset position -> full-vocabulary id
-        self.weight = float_weight(lm_head, ids)  # [N, hidden], dequantized if the head is int8
+        self.weight = float_weight(lm_head, ids)  # [N, hidden], dequantized if the head is int8 or int4
         self.bias = None if lm_head.bias is None else lm_head.bias.detach()[ids].contiguous()
         self.norm = adapter.norm
         self.softcap = adapter.final_softcap
-        self._source = lm_head.weight  # a reference, to tell whether the head still fits a model
+        self._source = stored_weight(lm_head)  # a reference, to tell whether the head still fits a model
 
     @classmethod
     def shared(cls, adapter, token_ids: torch.Tensor) -> PrunedHead:
@@ -79,7 +79,7 @@ class PrunedHead:
 
     def built_for(self, adapter) -> bool:
         """Whether this slice was taken from `adapter`'s head as it is now (device and dtype)."""
-        return self._source is adapter.lm_head.weight and (self.weight.device, self.weight.dtype) == (adapter.device,
+        return self._source is stored_weight(adapter.lm_head) and (self.weight.device, self.weight.dtype) == (adapter.device,
                                                                                                    adapter.dtype)
 
     def __len__(self) -> int:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from selfspec.native import gemv
 from selfspec.model.cache import KVCache
 from selfspec.model.moe import routed
+from selfspec.model.quantize import Int4Linear
 from selfspec.model.skips import SkipSet
 from selfspec.model.step import LeanStep, pad_rows
 
@@ -292,7 +293,10 @@ class ModelAdapter:
         computes only those, as its rows do not depend on each other (selfspec.native.gemv)."""
         x = self.norm(h)
         rows = x.reshape(-1, x.shape[-1]) if live is None or x.shape[0] != 1 else x[0, :live]
-        if self.step is not None and self.step.shape.gemv and gemv.supports(rows, self.lm_head.weight):
+        if isinstance(self.lm_head, Int4Linear):  # a 4-bit head (quantize_int4's head="int4"): its kernel
+            logits = self.lm_head(rows)
+            logits = logits.view(x.shape[0], -1, logits.shape[-1]).float()
+        elif self.step is not None and self.step.shape.gemv and gemv.supports(rows, self.lm_head.weight):
             head = self.lm_head  # nn.Linear, or Int8Linear (int4 models): the same kernel as the layers
             logits = gemv.linear(rows, head.weight, head.bias, getattr(head, "scale", None))
             logits = logits.view(x.shape[0], -1, logits.shape[-1]).float()

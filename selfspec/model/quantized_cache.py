@@ -43,6 +43,7 @@ from selfspec.model.loading import (
 from selfspec.model.quantize import (
     ACTIVATION_DTYPE,
     EMBEDDING_INT8,
+    HEADS,
     Int4Linear,
     Int4Slice,
     Int8Linear,
@@ -57,18 +58,22 @@ FORMAT = 2  # of the file: bump when what is saved, or how it is read back, chan
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
-def file_name(mode: str) -> str:
-    return f"selfspec-int4-{default_int4_layout()}.safetensors" if mode == "int4" else f"selfspec-{mode}.safetensors"
+def file_name(mode: str, head: str = "int8") -> str:
+    if mode != "int4":
+        return f"selfspec-{mode}.safetensors"
+    return f"selfspec-int4-{default_int4_layout()}{'-head4' if head == 'int4' else ''}.safetensors"
 
 
-def key(mode: str) -> dict[str, str]:
-    """What a saved file must have been made with to be read back as this mode's model."""
+def key(mode: str, head: str = "int8") -> dict[str, str]:
+    """What a saved file must have been made with to be read back as this mode's model (head: an
+    int4 model's head, quantize.quantize_int4's)."""
     import transformers
 
     source = Path(quantize_module.__file__).read_bytes()
     return {
         "format": str(FORMAT),
         "mode": mode,
+        "head": head if mode == "int4" else "int8",
         "layout": default_int4_layout() if mode == "int4" else "",
         "quantizer": hashlib.sha256(source).hexdigest()[:16],
         "torch": torch.__version__,
@@ -77,30 +82,33 @@ def key(mode: str) -> dict[str, str]:
 
 
 def load_quantized(
-    name_or_path: str | None, mode: str, *, cache: Path | None = None, progress: bool = True
+    name_or_path: str | None, mode: str, *, cache: Path | None = None, progress: bool = True, head: str = "int8"
 ) -> LoadedModel:
     """`mode` ("int8" or "int4") of a model on the CPU: read from its quantized file when there is
     a current one, else loaded in bfloat16, quantized and saved there. A converted GGUF keeps its
-    dense weights only if a dense load had already written them."""
+    dense weights only if a dense load had already written them. head: an int4 model's LM head,
+    "int8" or "int4" (quantize.quantize_int4)."""
     from transformers import AutoTokenizer
 
     if mode not in QUANTIZERS:
         raise ValueError(f"mode must be one of {', '.join(QUANTIZERS)}, not {mode!r}")
+    if head not in HEADS or (head != "int8" and mode != "int4"):
+        raise ValueError(f"the head is int8, or int4 in an int4 model; not {head!r} in {mode}")
     name_or_path = name_or_path or DEFAULT_MODEL
     target = conversion_target(name_or_path, cache)
     keep_dense = target is None or converted_for(target, ACTIVATION_DTYPE)  # the user's, or a dense load's
     checkpoint = resolve_checkpoint(name_or_path, cache=cache, progress=progress, dtype=None)
-    path = home(checkpoint, cache) / file_name(mode)
-    model = read(path, checkpoint, mode)
+    path = home(checkpoint, cache) / file_name(mode, head)
+    model = read(path, checkpoint, mode, head)
     if model is None:
         model = load_hf(name_or_path, dtype=ACTIVATION_DTYPE, cache=cache, progress=progress).model
         if progress:
             print(f"quantizing {display_name(name_or_path, checkpoint)} to {mode} (once) into {path}", file=sys.stderr)
         start = time.perf_counter()
-        QUANTIZERS[mode](model)
+        QUANTIZERS[mode](model, **({"head": head} if mode == "int4" else {}))
         model.eval()  # the new modules too, as a read-back model is
         try:
-            saved = write(model, path, mode)
+            saved = write(model, path, mode, head)
         except OSError as err:  # a read-only or full cache: run without saving
             print(f"could not save the {mode} model to {path}: {err}", file=sys.stderr)
             saved = False
@@ -133,7 +141,7 @@ def home(checkpoint: Path, cache: Path | None = None) -> Path:
 # -- the file -----------------------------------------------------------------------------------
 
 
-def write(model: torch.nn.Module, path: Path, mode: str) -> bool:
+def write(model: torch.nn.Module, path: Path, mode: str, head: str = "int8") -> bool:
     """Save a quantized model's tensors and structure to `path`, atomically. False (nothing saved)
     when the model holds a module this file cannot describe."""
     from safetensors.torch import save_file
@@ -152,7 +160,7 @@ def write(model: torch.nn.Module, path: Path, mode: str) -> bool:
         else:
             names[id(tensor)] = name
             tensors[name] = tensor.detach()
-    metadata = {**key(mode), "modules": json.dumps(modules), "ties": json.dumps(ties), "derived": json.dumps(derived)}
+    metadata = {**key(mode, head), "modules": json.dumps(modules), "ties": json.dumps(ties), "derived": json.dumps(derived)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.partial-")
     os.close(fd)
@@ -165,13 +173,13 @@ def write(model: torch.nn.Module, path: Path, mode: str) -> bool:
     return True
 
 
-def read(path: Path, checkpoint: Path, mode: str) -> torch.nn.Module | None:
+def read(path: Path, checkpoint: Path, mode: str, head: str = "int8") -> torch.nn.Module | None:
     """The quantized model saved at `path` for the checkpoint at `checkpoint`, or None if there is
     no file or it was made with another key."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     try:
-        metadata, tensors = _read_file(path, key(mode))
+        metadata, tensors = _read_file(path, key(mode, head))
     except (OSError, ValueError, KeyError):
         return None
     if tensors is None:
@@ -286,7 +294,8 @@ def _release_rows(model: torch.nn.Module) -> None:
     """Drop an untied embedding's int8 rows once saved: only the file needs them (the 1.5B's are
     0.23 GB); a tied embedding's are the head's and stay."""
     rows = getattr(model, EMBEDDING_INT8, None)
-    if rows is not None and rows[0] is not getattr(model.get_output_embeddings(), "weight", None):
+    head = model.get_output_embeddings()
+    if rows is not None and not (isinstance(head, Int8Linear) and rows[0] is head.weight):
         delattr(model, EMBEDDING_INT8)
 
 

@@ -197,7 +197,8 @@ def run_bench(args) -> int:
     if rounds < 1:
         raise ValueError(f"--repeats must be at least 1, got {rounds}")
     prompts = load_prompts(args.prompts, args.per_category)
-    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact)
+    model = selfspec.load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, exact=args.exact,
+                          head=getattr(args, "head_dtype", "int8"))
     methods = [Method("ar (ours)", "ar", Speculation("ar"))] + _methods(args, model)
     temperature = getattr(args, "temperature", 0.0) or 0.0
     if temperature < 0:
@@ -418,7 +419,8 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
     ar_decode = ar.total.decode_tokens_per_s  # the step: AR's seconds per token after the prefill
     ar_step_s = 1 / ar_decode if ar_decode else (ar.total.seconds / ar.total.tokens if ar.total.tokens else None)
     setup = (
-        f"model {model.name} ({model.n_layers} layers), {model.dtype_name}, {engine}, device {args.device}; "
+        f"model {model.name} ({model.n_layers} layers), {model.dtype_name}"
+        f"{', 4-bit head' if getattr(args, 'head_dtype', 'int8') == 'int4' else ''}, {engine}, device {args.device}; "
         f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token after the prefill); "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "
