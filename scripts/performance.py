@@ -90,6 +90,11 @@ SECTIONS = [
                    "against llama.cpp, code prompts, γ = 1 (its `auto`: a 2-row verify costs about one step here)"),
             Source("results/qwen_groups/bench_chat_q15b.md",
                    "Qwen2.5-Coder 1.5B in int4 against llama.cpp, chat prompts, γ = 1 (long prompts: the prefill is most of the time)"),
+            Source("results/qwen_groups/bench_code_q15b_head4.md",
+                   "Qwen2.5-Coder 1.5B in int4 with a 4-bit head (`--head-dtype int4`; greedy text can differ from the "
+                   "int8 head's) against llama.cpp, code prompts"),
+            Source("results/qwen_groups/bench_code_q05b_head4.md",
+                   "Qwen2.5-Coder 0.5B in int4 with a 4-bit head (`--head-dtype int4`) against llama.cpp, code prompts"),
             Source("results/qwen_int4/bench_qwen15_int4pack.md",
                    "Qwen2.5-Coder 1.5B in int4 through PyTorch's int4 kernel (`SELFSPEC_INT4_LAYOUT=int4pack`) against llama.cpp"),
             Source("results/fused/bench_qwen15_code.md", "Qwen2.5-Coder 1.5B in bfloat16, code prompts (lookup γ ≤ 3)"),
