@@ -93,6 +93,8 @@ SECTIONS = [
             Source("results/qwen_groups/bench_code_q15b_head4.md",
                    "Qwen2.5-Coder 1.5B in int4 with a 4-bit head (`--head-dtype int4`; greedy text can differ from the "
                    "int8 head's) against llama.cpp, code prompts"),
+            Source("results/qwen_groups/bench_chat_q15b_head4.md",
+                   "Qwen2.5-Coder 1.5B in int4 with a 4-bit head (`--head-dtype int4`) against llama.cpp, chat prompts"),
             Source("results/qwen_groups/bench_code_q05b_head4.md",
                    "Qwen2.5-Coder 0.5B in int4 with a 4-bit head (`--head-dtype int4`) against llama.cpp, code prompts"),
             Source("results/qwen_int4/bench_qwen15_int4pack.md",
