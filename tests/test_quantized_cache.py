@@ -249,7 +249,7 @@ def test_the_embedding_is_stored_as_int8_rows_and_read_back_exactly(tmp_path, mo
 def test_a_4bit_head_is_stored_with_the_embeddings_own_int8_rows(tmp_path, monkeypatch, arch):
     from safetensors import safe_open
 
-    from selfspec.model.quantize import EMBEDDING_INT8, dequantize_blocks, int8_rows
+    from selfspec.model.quantize import EMBEDDING_INT8, dequantize_blocks, dequantize_rows, int8_rows
 
     ckpt = _checkpoint(tmp_path / f"tiny-{arch}", arch)
     cache = tmp_path / "cache"
@@ -263,9 +263,10 @@ def test_a_4bit_head_is_stored_with_the_embeddings_own_int8_rows(tmp_path, monke
     assert ((w - head_weight.float()).abs() <= step * 0.51 + head_weight.float().abs() * 2**-7).all()
     # the embedding: its own int8 rows, as the int8 head's model has them (a tied table's too)
     q, scale = int8_rows(table, table.dtype)
-    assert torch.equal(fresh.get_input_embeddings().weight, dequantize_rows_of(q, scale))
+    assert torch.equal(fresh.get_input_embeddings().weight, dequantize_rows(q, scale, torch.bfloat16))
     path = home(ckpt, cache) / "selfspec-int4-blocks-head4.safetensors"
-    assert path == home(ckpt, cache) / file_name("int4", "int4") and not (home(ckpt, cache) / file_name("int4")).exists()
+    assert path == home(ckpt, cache) / file_name("int4", "int4")
+    assert not (home(ckpt, cache) / file_name("int4")).exists()
     with safe_open(str(path), "pt") as f:
         assert {"selfspec_embedding.weight", "lm_head.packed"} <= set(f.keys())
     _no_quantizing(monkeypatch)
@@ -275,12 +276,6 @@ def test_a_4bit_head_is_stored_with_the_embeddings_own_int8_rows(tmp_path, monke
         load_quantized(str(ckpt), "int4", cache=cache, progress=False)
     with pytest.raises(ValueError, match="head"):
         load_quantized(str(ckpt), "int8", cache=cache, progress=False, head="int4")
-
-
-def dequantize_rows_of(q, scale):
-    from selfspec.model.quantize import dequantize_rows
-
-    return dequantize_rows(q, scale, torch.bfloat16)
 
 
 def test_a_4bit_head_decodes_losslessly_and_its_draft_rows_are_its_own(tmp_path, monkeypatch):

@@ -79,8 +79,8 @@ class PrunedHead:
 
     def built_for(self, adapter) -> bool:
         """Whether this slice was taken from `adapter`'s head as it is now (device and dtype)."""
-        return self._source is stored_weight(adapter.lm_head) and (self.weight.device, self.weight.dtype) == (adapter.device,
-                                                                                                   adapter.dtype)
+        same_place = (self.weight.device, self.weight.dtype) == (adapter.device, adapter.dtype)
+        return self._source is stored_weight(adapter.lm_head) and same_place
 
     def __len__(self) -> int:
         return self.ids.numel()

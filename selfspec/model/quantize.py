@@ -172,8 +172,9 @@ class Int4Linear(torch.nn.Module):
     in one of two layouts (`layout`):
 
     "blocks": packed [out, in / 32, 16] uint8 (a row's blocks interleaved in groups of 16:
-    to_groups) and scales_zeros [out, in / 32, 2], selfspec's 4-bit product kernel's (selfspec.native.gemv.int4_linear), where that kernel runs; decode forwards of
-    up to gemv.MAX_ROWS rows stream them once, prefills dequantize them for a GEMM.
+    to_groups) and scales_zeros [out, in / 32, 2], selfspec's 4-bit product kernel's
+    (selfspec.native.gemv.int4_linear), where that kernel runs; decode forwards of up to
+    gemv.MAX_ROWS rows stream them once, prefills dequantize them for a GEMM.
     "int4pack": packed [out, in / 2] uint8 and scales_zeros [in / 32, out, 2], PyTorch's
     `_weight_int4pack_mm_for_cpu`'s, elsewhere. Both hold the same weights."""
 
@@ -277,11 +278,15 @@ def to_groups(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(out, -1)[:, _group_order(count)].view(out, count, 16).contiguous()
 
 
+@functools.cache
+def _group_inverse(blocks: int) -> torch.Tensor:
+    return torch.argsort(_group_order(blocks))
+
+
 def from_groups(packed: torch.Tensor) -> torch.Tensor:
     """The blocks layout's bytes back to each block's 16 bytes in order (to_groups undone)."""
     out, count, _ = packed.shape
-    inverse = torch.argsort(_group_order(count))
-    return packed.reshape(out, -1)[:, inverse].view(out, count, 16)
+    return packed.reshape(out, -1)[:, _group_inverse(count)].view(out, count, 16)
 
 
 def dequantize_blocks(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:

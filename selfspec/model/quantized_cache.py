@@ -73,7 +73,7 @@ def key(mode: str, head: str = "int8") -> dict[str, str]:
     return {
         "format": str(FORMAT),
         "mode": mode,
-        "head": head if mode == "int4" else "int8",
+        "head": head,  # int8 outside int4 (load_quantized refuses another)
         "layout": default_int4_layout() if mode == "int4" else "",
         "quantizer": hashlib.sha256(source).hexdigest()[:16],
         "torch": torch.__version__,
@@ -160,7 +160,8 @@ def write(model: torch.nn.Module, path: Path, mode: str, head: str = "int8") -> 
         else:
             names[id(tensor)] = name
             tensors[name] = tensor.detach()
-    metadata = {**key(mode, head), "modules": json.dumps(modules), "ties": json.dumps(ties), "derived": json.dumps(derived)}
+    metadata = {**key(mode, head), "modules": json.dumps(modules), "ties": json.dumps(ties),
+                "derived": json.dumps(derived)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.partial-")
     os.close(fd)

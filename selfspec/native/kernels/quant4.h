@@ -163,8 +163,10 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
                 lo[u] = _mm512_and_si512(v, low4), hi[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
             for (int r = 0; r < R; r++) {
-                const __m512i xl = _mm512_loadu_si512(X[r].xs(gi, 2 * k)), xh = _mm512_loadu_si512(X[r].xs(gi, 2 * k + 1));
-                for (int u = 0; u < J; u++) acc[u][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[u][r], lo[u], xl), hi[u], xh);
+                const __m512i xl = _mm512_loadu_si512(X[r].xs(gi, 2 * k));
+                const __m512i xh = _mm512_loadu_si512(X[r].xs(gi, 2 * k + 1));
+                for (int u = 0; u < J; u++)
+                    acc[u][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[u][r], lo[u], xl), hi[u], xh);
             }
         }
         for (int u = 0; u < J; u++) {
@@ -237,12 +239,13 @@ static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, 
                                                                        _mm256_maddubs_epi16(hi, xh)));
                     }
                 }
-                const __m256i sz = full ? _mm256_loadu_si256((const __m256i*)s) : _mm256_maskload_epi32((const int*)s, mask);
+                const __m256i sz =
+                    full ? _mm256_loadu_si256((const __m256i*)s) : _mm256_maskload_epi32((const int*)s, mask);
                 const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
                 const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sz, high16));
                 for (int r = 0; r < R; r++) {
-                    const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(p[r], ones),
-                                                         _mm256_loadu_si256((const __m256i*)(X[r].init(gi) + 8 * half)));
+                    const __m256i init = _mm256_loadu_si256((const __m256i*)(X[r].init(gi) + 8 * half));
+                    const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(p[r], ones), init);
                     const __m256 step = _mm256_mul_ps(scale, _mm256_loadu_ps(X[r].d(gi) + 8 * half));
                     dot[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), step, dot[u][r]);
                     dot[u][r] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(X[r].dt(gi) + 8 * half), dot[u][r]);
