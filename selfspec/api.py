@@ -87,6 +87,10 @@ class SelfSpecModel:
     suffix_tokens: int = 1_000_000  # each store's budget in tokens (the oldest text goes past it)
     _suffix: dict = field(init=False, default_factory=dict, repr=False)
     _suffix_lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+    # Prefix stores by tenant, as the suffix stores: earlier generations' cache entries that a new
+    # prompt starting with the same tokens reuses (`keep_prefixes`; 0 bytes: none kept).
+    prefix_bytes: int = 0
+    _prefix: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
@@ -193,7 +197,7 @@ class SelfSpecModel:
             check_exact_draft(drafter.draft_len, self.exact_rows())
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
-        return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids)
+        return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids, self.prefix_store(tenant))
 
     def exact_rows(self) -> int:
         """The most rows exact mode verifies at once: where the fused layer runs (eager, the kernel
@@ -222,6 +226,40 @@ class SelfSpecModel:
         """Forget every request's text (a benchmark's fresh start)."""
         with self._suffix_lock:
             self._suffix.clear()
+
+    def keep_prefixes(self, budget_bytes: int) -> None:
+        """Keep each finished generation's cache entries (prompt and answer), up to budget_bytes per
+        tenant, the least recently used dropped first; a later prompt that starts with the same
+        tokens prefills only the rest (selfspec.model.prefix_cache). Output is unchanged: from now
+        on every prefill runs through the fused layer, whose keys and values do not depend on how
+        a prompt is split. 0 stops keeping them. Raises ValueError where reuse would not be exact."""
+        from selfspec.model.prefix_cache import PrefixStore
+
+        if budget_bytes < 0:
+            raise ValueError(f"the prefix budget must be >= 0 bytes, got {budget_bytes}")
+        reason = PrefixStore.available(self.adapter) if budget_bytes else None
+        if reason is not None:
+            raise ValueError(f"{self.name} cannot reuse prefixes exactly here: {reason}")
+        with self._suffix_lock:
+            self.prefix_bytes = budget_bytes
+            self._prefix.clear()
+        if self.adapter.step is not None:
+            self.adapter.step.rowwise_prefill = budget_bytes > 0
+
+    def prefix_store(self, tenant: str | None = None):
+        """The prefix store for `tenant` (None: the shared one), or None where none is kept."""
+        from selfspec.model.prefix_cache import PrefixStore
+
+        if not self.prefix_bytes:
+            return None
+        with self._suffix_lock:
+            if tenant not in self._prefix:
+                self._prefix[tenant] = PrefixStore(self.prefix_bytes)
+            return self._prefix[tenant]
+
+    def prefix_stores(self) -> list:
+        with self._suffix_lock:
+            return list(self._prefix.values())
 
     def resolve(self, speculation: Speculation, tenant: str | None = None) -> Resolved:
         """The speculation made concrete for this model on this machine, checked once, before the
@@ -265,7 +303,7 @@ class SelfSpecModel:
         result = Generation(text="", tokens=[], stats=p.stats)
         rounds = decode(
             self.adapter, p.ids, p.drafter, sampling=p.sampling, max_new_tokens=p.max_new_tokens,
-            eos_ids=p.eos_ids, stats=p.stats,
+            eos_ids=p.eos_ids, stats=p.stats, prefix=p.prefix,
         )
         return Stream(self._chunks(rounds, result, p.stop), result)
 
@@ -392,6 +430,7 @@ class Prepared:
     stop: list[str]
     stats: GenerationStats
     eos_ids: frozenset[int]
+    prefix: object | None = None  # the PrefixStore this generation starts from and adds to
 
     def request(self, on_tokens, on_done):
         """This generation as a request for the batch scheduler (see selfspec.core.batch.Request for
@@ -399,7 +438,7 @@ class Prepared:
         from selfspec.core.batch import Request
 
         return Request(self.ids, self.drafter, self.sampling, self.max_new_tokens, self.stats,
-                       on_tokens=on_tokens, on_done=on_done, eos_ids=self.eos_ids)
+                       on_tokens=on_tokens, on_done=on_done, eos_ids=self.eos_ids, prefix=self.prefix)
 
 
 class Detokenizer:

@@ -56,6 +56,7 @@ class Request:
     # server's guard against a row held forever); None: no limit.
     time_limit_s: float | None = None
     timed_out: bool = False  # it ended at time_limit_s
+    prefix: object | None = None  # the PrefixStore its prefill starts from and its entries go to
 
     def cancel(self) -> None:
         """Free this request's row at the next step boundary (a client went away)."""
@@ -74,6 +75,7 @@ class Totals:
     cancelled: int = 0
     timed_out: int = 0
     prompt_tokens: int = 0
+    prefix_tokens: int = 0  # of them, read from a prefix store rather than prefilled
     new_tokens: int = 0
     rounds: int = 0
     drafted: int = 0
@@ -232,7 +234,8 @@ class Scheduler:
     def _prefill(self, request: Request) -> Decoding:
         seq = Decoding(self.adapter, request.prompt_ids, request.drafter, sampling=request.sampling, siblings=False,
                        max_new_tokens=request.max_new_tokens, eos_ids=request.eos_ids, stats=request.stats,
-                       max_draft=min(request.drafter.draft_len, self.max_draft), headroom=self.max_draft)
+                       max_draft=min(request.drafter.draft_len, self.max_draft), headroom=self.max_draft,
+                       prefix=request.prefix)
         self._emit(request, seq, seq.prefill(measure_step=False))
         return seq
 
@@ -279,6 +282,7 @@ class Scheduler:
         for request, seq in self.active:
             if seq.done:
                 seq.stop_clock()
+                seq.remember()
                 self._finish(request, None, cancelled=request.cancelled.is_set())
             else:
                 keep.append((request, seq))
@@ -290,7 +294,8 @@ class Scheduler:
         t.failed += error is not None and not cancelled  # a cancelled request's error only says why
         t.cancelled += cancelled
         t.timed_out += request.timed_out
-        for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "draft_s", "prefill_s"):
+        for name in ("prompt_tokens", "prefix_tokens", "new_tokens", "rounds", "drafted", "accepted", "draft_s",
+                     "prefill_s"):
             setattr(t, name, getattr(t, name) + getattr(s, name))
         if s.by_source:
             t.by_method = add_counts(t.by_method, {s.method: s.by_source})

@@ -18,6 +18,7 @@ import torch
 
 from selfspec.model.adapter import ModelAdapter
 from selfspec.model.cache import KVCache
+from selfspec.model.prefix_cache import PrefixStore
 from selfspec.core.draft import Draft, DraftContext, Drafter
 from selfspec.core.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from selfspec.core.stats import GenerationStats
@@ -61,10 +62,12 @@ def decode(
     max_new_tokens: int,
     eos_ids: frozenset[int] = frozenset(),
     stats: GenerationStats,
+    prefix: PrefixStore | None = None,
 ) -> Iterator[list[int]]:
-    """Yield committed tokens, a list per round, until EOS (not yielded) or max_new_tokens."""
+    """Yield committed tokens, a list per round, until EOS (not yielded) or max_new_tokens.
+    prefix: a store of earlier generations' cache entries to start from and add to."""
     seq = Decoding(adapter, prompt_ids, drafter, sampling=sampling, max_new_tokens=max_new_tokens,
-                   eos_ids=eos_ids, stats=stats)
+                   eos_ids=eos_ids, stats=stats, prefix=prefix)
     try:
         tokens = seq.prefill(measure_step=bool(drafter.draft_len))
         while True:
@@ -79,6 +82,7 @@ def decode(
             tokens = seq.finish_round(draft, target_logits, verify_s=time.perf_counter() - t)
     finally:
         seq.stop_clock()
+        seq.remember()
 
 
 class Decoding:
@@ -99,12 +103,16 @@ class Decoding:
         max_draft: int | None = None,
         headroom: int = 0,
         siblings: bool = True,
+        prefix: PrefixStore | None = None,
     ):
         """max_draft: cap on draft tokens per round (default the drafter's γ); headroom: cache
         positions to keep past the last committed one for a batched verify, which pads every row
         to the longest draft in the batch; siblings: whether drafts may be siblings (Draft.siblings:
-        only where this sequence verifies alone, in the fused layer)."""
+        only where this sequence verifies alone, in the fused layer); prefix: a store of earlier
+        generations' cache entries (selfspec.model.prefix_cache) the prefill starts from, and
+        this one's are added to when it ends (`remember`)."""
         self.adapter, self.drafter, self.sampling, self.stats = adapter, drafter, sampling, stats
+        self.prefix = prefix
         self.prompt_ids = prompt_ids.to(adapter.device).view(-1)
         check_length(adapter, self.prompt_ids.numel(), max_new_tokens)
         self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
@@ -137,7 +145,9 @@ class Decoding:
         self.drafter.begin(self.ctx)
         self._t0 = time.perf_counter()
         adapter, n = self.adapter, self.prompt_ids.numel()
-        h = adapter.run_layers(adapter.embed(self.prompt_ids), range(adapter.n_layers), 0, self.cache)
+        reused = 0 if self.prefix is None else self.prefix.restore(self.prompt_ids, self.cache)
+        self.stats.prefix_tokens = reused
+        h = adapter.run_layers(adapter.embed(self.prompt_ids[reused:]), range(adapter.n_layers), reused, self.cache)
         first = _pick(adapter.head(h[:, -1:]), self.sampling, self.generator)
         self.cache.rewind(n)
         self.sync()
@@ -198,6 +208,13 @@ class Decoding:
         if not self._clock_stopped:
             self._clock_stopped = True
             self.stats.wall_s = time.perf_counter() - self._t0
+
+    def remember(self) -> None:
+        """Add this sequence's tokens whose cache entries are valid (prompt and answer, up to the
+        pending token) to the prefix store, once."""
+        if self.prefix is not None and self.cache.length:
+            self.prefix.add(self.ctx.committed[:self.cache.length], self.cache)
+        self.prefix = None
 
     def _commit(self, tokens: list[int], drafted: int = 0, accepted: int = 0, drafter: str | None = None) -> Round:
         """Make `tokens` the committed tokens of this round: the last is the next pending token.

@@ -22,6 +22,7 @@ class GenerationStats:
     exit_layer: int | None = None  # k; None for methods without an exit layer
     draft_len: int = 0  # γ
     prompt_tokens: int = 0
+    prefix_tokens: int = 0  # of them, read from a prefix store rather than prefilled
     new_tokens: int = 0
     rounds: int = 0  # verify forwards after the prefill
     drafted: int = 0
@@ -77,7 +78,7 @@ class GenerationStats:
         if other.drafted:
             weight = self.drafted * (self.measured_step_s() or 0.0) + other.drafted * (other.measured_step_s() or 0.0)
             self.step_s = weight / (self.drafted + other.drafted)
-        for name in ("prompt_tokens", "new_tokens", "rounds", "drafted", "accepted",
+        for name in ("prompt_tokens", "prefix_tokens", "new_tokens", "rounds", "drafted", "accepted",
                      "prefill_s", "draft_s", "verify_s", "wall_s", "search_s", "searches",
                      "speculation_hits", "speculation_misses"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -145,6 +146,8 @@ class GenerationStats:
             f"c {fmt(self.cost, '.2f')}",
             f"method {self.method}",
         ]
+        if self.prefix_tokens:
+            parts.insert(-1, f"prompt tokens reused {self.prefix_tokens}/{self.prompt_tokens}")
         if self.searches:
             parts.insert(-1, f"layer search {self.searches}× {self.search_s:.2f} s")
         if self.speculation_hits or self.speculation_misses:

@@ -60,7 +60,9 @@ COUNTERS = [
     ("requests_failed", "Requests that ended with an error", lambda s: s["failed"]),
     ("requests_cancelled", "Requests cancelled (client gone, stop string or server shutdown)", lambda s: s["cancelled"]),
     ("requests_timed_out", "Requests ended by the server's --max-request-seconds", lambda s: s["timed_out"]),
-    ("prompt_tokens", "Prompt tokens prefilled", lambda s: s["prompt_tokens"]),
+    ("prompt_tokens", "Prompt tokens (prefilled, or read from a prefix store)", lambda s: s["prompt_tokens"]),
+    ("prefix_reused_tokens", "Prompt tokens whose keys and values came from a prefix store, not a prefill",
+     lambda s: s.get("prefix_tokens", 0)),
     ("generated_tokens", "Tokens generated", lambda s: s["new_tokens"]),
     ("draft_tokens", "Draft tokens proposed", lambda s: s["drafted"]),
     ("accepted_tokens", "Draft tokens accepted", lambda s: s["accepted"]),
@@ -83,6 +85,9 @@ GAUGES = [
     ("suffix_store_tokens", "Tokens of past requests the suffix stores hold (method suffix)",
      lambda s: s.get("suffix_tokens", 0)),
     ("suffix_store_sequences", "Prompts and answers the suffix stores hold", lambda s: s.get("suffix_sequences", 0)),
+    ("prefix_store_bytes", "Bytes of keys and values the prefix stores hold", lambda s: s.get("prefix_bytes", 0)),
+    ("prefix_store_entries", "Earlier requests whose keys and values the prefix stores hold",
+     lambda s: s.get("prefix_entries", 0)),
 ]
 
 # The families above also given per method and per source: name -> value of one set of counts.
@@ -103,7 +108,9 @@ def snapshot(server) -> dict:
             "queue_depth": scheduler.queue_depth, "active_rows": len(scheduler.active),
             "oldest_active_s": scheduler.oldest_active_s(), "at": time.time(),
             "suffix_tokens": sum(store.tokens for store in server.model.suffix_stores()),
-            "suffix_sequences": sum(store.sequences for store in server.model.suffix_stores())}
+            "suffix_sequences": sum(store.sequences for store in server.model.suffix_stores()),
+            "prefix_bytes": sum(store.nbytes for store in server.model.prefix_stores()),
+            "prefix_entries": sum(len(store) for store in server.model.prefix_stores())}
 
 
 def combine(snapshots: list[dict]) -> dict:

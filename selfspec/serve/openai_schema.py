@@ -142,6 +142,7 @@ def usage(stats: GenerationStats) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.prefix_tokens},  # read from a prefix store
         "selfspec": {
             "method": stats.method,
             "exit_layer": stats.exit_layer,

@@ -34,12 +34,14 @@ from selfspec.serve import metrics
 from selfspec.api import Detokenizer, SelfSpecModel
 from selfspec.core.batch import QueueFull, Request, Scheduler
 from selfspec.core.speculation import Speculation
+from selfspec.model.prefix_cache import PrefixStore
 from selfspec.serve.openai_schema import ChatRequest, CompletionRequest, Reply, error_body
 from selfspec.serve.trace import Trace
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (OpenAI's own default is the context's room)
 DEFAULT_MAX_REQUEST_S = 600.0  # generous: SmolLM2's 2048-token context on 2 busy cores takes minutes
 DEFAULT_STALL_S = 120.0  # /health fails when rows are active and no step has ended for this long
+DEFAULT_PREFIX_MB = 256.0  # each prefix store's budget: thousands of tokens of a small model's cache entries
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 STATIC = Path(__file__).parent / "static"  # the page at / (index.html, app.js, style.css)
@@ -61,7 +63,7 @@ class Server:
                  api_key: str | None = None, speculation: Speculation | None = None, served_name: str | None = None,
                  max_request_seconds: float | None = DEFAULT_MAX_REQUEST_S, peers=None,
                  stall_seconds: float = DEFAULT_STALL_S, on_fatal=None, suffix_scope: str = "shared",
-                 suffix_tokens: int | None = None):
+                 suffix_tokens: int | None = None, prefix_mb: float = DEFAULT_PREFIX_MB):
         """speculation: the default for requests that choose none, or only some of its options under
         `selfspec` (None: method "auto"). max_request_seconds: wall time from arrival after which a request ends with finish_reason
         "length" (None: no limit). peers: where replicas pool their /metrics (selfspec.serve.replicas.Peers);
@@ -71,12 +73,22 @@ class Server:
         suffix_scope: whose text `suffix` drafts from: "shared" (every request's: output is the same
         either way, verification is exact, but timing can hint that a text was seen before) or
         "user" (one store per request `user` field, OpenAI's end-user id; none given: one store for
-        all such requests). suffix_tokens: each suffix store's budget (None: the model's default)."""
+        all such requests). suffix_tokens: each suffix store's budget (None: the model's default).
+        prefix_mb: MiB of earlier requests' cache entries kept per store (scoped as the suffix
+        stores) for prompts that start with the same tokens (SelfSpecModel.keep_prefixes); 0 keeps
+        none. Where reuse would not be exact (no fused layer), none are kept and the log says why."""
         if suffix_scope not in ("shared", "user"):
             raise ValueError(f"suffix_scope must be 'shared' or 'user', got {suffix_scope!r}")
         self.suffix_scope = suffix_scope
         if suffix_tokens is not None:
             model.suffix_tokens = suffix_tokens
+        if prefix_mb < 0:
+            raise ValueError(f"prefix_mb must be >= 0, got {prefix_mb}")
+        reason = PrefixStore.available(model.adapter) if prefix_mb else None
+        if reason is not None:
+            log.warning("selfspec: prompts are prefilled whole, no prefix reuse: %s", reason)
+        self.prefix_bytes = int(prefix_mb * 2**20) if reason is None else 0  # kept from `start` to `stop`
+        self._prefix_before = model.prefix_bytes
         self.model = model
         self.name = served_name or model.name
         self.scheduler = Scheduler(model.adapter, max_batch=max_batch, max_queue=max_queue)
@@ -93,6 +105,8 @@ class Server:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self._prefix_before = self.model.prefix_bytes
+        self.model.keep_prefixes(self.prefix_bytes)
         self._thread = threading.Thread(target=self._decode, name="selfspec-scheduler", daemon=True)
         self._thread.start()
 
@@ -129,6 +143,7 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.scheduler.close()
+        self.model.keep_prefixes(self._prefix_before)  # the model as it was lent to the server
 
     # -- one request ----------------------------------------------------------------------------
 
