@@ -50,21 +50,12 @@ from selfspec.model.quantize import Int4Linear, Int4Slice, Int8Linear, int4_line
 # tokens, 0.91-1.34x at 64; scripts/prefill_chunks.py, results/intel_avx512/prefill_chunks.out).
 # SELFSPEC_PREFILL_CHUNKS=N sets it, 0 turns it off.
 PREFILL_CHUNKS = int(os.environ.get("SELFSPEC_PREFILL_CHUNKS", "40"))
-# The same for 4-bit blocks on AVX512-VNNI, whose whole-prompt GEMM first dequantizes every weight:
-# the fused layer's integer products are faster up to a few hundred tokens (Qwen2.5-Coder 0.5B,
-# 2-core AMD EPYC: 0.6x the time at 32-100 tokens, 1.0x at 300, 1.3x at 800).
-# SELFSPEC_PREFILL_CHUNKS_INT4=N sets it, 0 turns it off.
-PREFILL_CHUNKS_INT4 = int(os.environ.get("SELFSPEC_PREFILL_CHUNKS_INT4", "0"))
 
 
-def _chunks_pay(h: torch.Tensor, n: int, blocks: bool = False) -> bool:
-    """Whether n rows of h (more than one fused call takes) run faster as fused calls of 16;
-    blocks: the layers' weights are 4-bit blocks."""
-    if h.dtype != torch.bfloat16 or gemv.needs_grad(h):
-        return False
-    if blocks and gemv.int4_vnni(gemv.kernel_path()):
-        return n <= PREFILL_CHUNKS_INT4
-    return n <= PREFILL_CHUNKS and not gemv.native_bfloat16()
+def _chunks_pay(h: torch.Tensor, n: int) -> bool:
+    """Whether n rows of h (more than one fused call takes) run faster as fused calls of 16."""
+    return (n <= PREFILL_CHUNKS and h.dtype == torch.bfloat16 and not gemv.needs_grad(h)
+            and not gemv.native_bfloat16())
 
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -405,8 +396,6 @@ class LeanStep:
         # keys and values then depend on its token and the ones before it alone (a prefix store's
         # reuse is exact: selfspec.model.prefix_cache).
         self.rowwise_prefill = False
-        w = self.weights[0].wqkv
-        self.blocks = w.dtype == torch.uint8 and w.dim() == 3  # selfspec's 4-bit blocks
 
     def rows(self, n: int) -> int:
         """The row bucket n rows run in. More rows than any decode forward has (a prefill) run
@@ -427,7 +416,7 @@ class LeanStep:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
         if self.fused is not None and n <= fused_layer.ROWS and not gemv.needs_grad(h):  # no padding there
             return self.fused.run(h, layers, start, cache, skip, siblings)
-        if self.fused is not None and not siblings and (self.rowwise_prefill or _chunks_pay(h, n, self.blocks)):
+        if self.fused is not None and not siblings and (self.rowwise_prefill or _chunks_pay(h, n)):  # as verifies
             rows = fused_layer.ROWS
             return torch.cat([self.fused.run(h[:, i:i + rows], layers, start + i, cache, skip)
                               for i in range(0, n, rows)], dim=1)
