@@ -73,7 +73,7 @@ def run_method(model, method: str, sessions: list[dict], args) -> tuple[dict, di
     model.reset_suffix_stores()
     method, reuse = method.removesuffix("+prefix"), method.endswith("+prefix")
     app = create_app(model, max_batch=args.max_batch, max_queue=64, speculation=Speculation(method),
-                     prefix_mb=args.prefix_mb if reuse else 0)
+                     prefix_mb=args.prefix_mb if reuse else 0)  # explicit either way
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

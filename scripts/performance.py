@@ -153,12 +153,10 @@ HEADS = [  # (model, prompts, the feature_heldout.py results file)
     ("Qwen2.5-Coder 0.5B", "chat (the 30 bundled Spec-Bench prompts)", "results/qwen_heads/heldout_chat_q05b.json"),
     ("Qwen2.5-Coder 1.5B", "code (the 8 bundled code prompts)", "results/qwen_heads/heldout_code_q15b.json"),
 ]
-AGENT = [Source("results/agent_bench/smollm2_bf16.md", "SmolLM2 on agent and code-assistant sessions", load=True),
-         Source("results/qwen_heads/agent_smollm2_whole.md", "SmolLM2, suffix as it runs by default, again", load=True),
-         Source("results/qwen_heads/agent_smollm2.md", "SmolLM2, suffix drafts cut by their measured payoff "
-                "(`SELFSPEC_SUFFIX_PAYOFF=1` today; the default when this ran)", load=True),
-         Source("results/qwen_heads/agent_q05_whole.md", "Qwen2.5-Coder 0.5B in int4 with its shipped head, suffix as it runs by default",
-                load=True),
+AGENT = [Source("results/agent_bench/prefix_q05_int4.md", "Qwen2.5-Coder 0.5B in int4, with and without prefix reuse "
+                "(`+prefix`: `selfspec serve --prefix-cache`)", load=True),
+         Source("results/agent_bench/prefix_smollm2_bf16.md", "SmolLM2 in bfloat16, with and without prefix reuse", load=True),
+         Source("results/agent_bench/smollm2_bf16.md", "SmolLM2: lookup and hybrid beside suffix", load=True),
          Source("results/qwen_heads/agent_q05.md", "Qwen2.5-Coder 0.5B in int4 with its shipped head: lookup, hybrid, and suffix "
                 "cut by payoff (`SELFSPEC_SUFFIX_PAYOFF=1` today; the default when this ran)", load=True)]
 

@@ -5,6 +5,7 @@ gives, for any method; the store's matching, bound and refusals."""
 import pytest
 import torch
 
+from selfspec.api import SelfSpecModel
 from selfspec.core.engine import Decoding
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.speculation import Speculation
@@ -162,7 +163,7 @@ def test_the_server_reuses_a_conversations_turns_per_user_and_answers_as_a_cold_
                           if line.startswith("selfspec_prefix_reused_tokens_total ")))
 
     model = tiny_served()
-    running = Running(model, suffix_scope="user")
+    running = Running(model, suffix_scope="user", prefix_mb=16)
     try:
         answer, turn2 = converse(running, "a")
         after_a = reused(running)
@@ -176,10 +177,21 @@ def test_the_server_reuses_a_conversations_turns_per_user_and_answers_as_a_cold_
     finally:
         running.close()
     assert model.prefix_bytes == 0 and not model.adapter.step.rowwise_prefill  # the model as it was lent
-    cold = Running(model, suffix_scope="user")
+    cold = Running(model, suffix_scope="user", prefix_mb=16)
     try:  # a fresh server's first request: the same answer, prefilled whole
         client = cold.client()
         again = client.chat.completions.create(model=cold.name, messages=turn2, max_tokens=8, temperature=0, user="a")
         assert reused(cold) == 0 and again.choices[0].message.content == answer
     finally:
         cold.close()
+
+
+@needs_fused
+def test_prefixes_are_kept_by_default_for_4_bit_models_only():
+    from selfspec.serve.server import DEFAULT_PREFIX_MB, Server
+
+    int4 = _quantized("qwen2", "int4")
+    int4 = SelfSpecModel(int4.hf_model, dtype_name="int4")  # as selfspec.load(dtype="int4") names it
+    assert Server(int4).prefix_bytes == int(DEFAULT_PREFIX_MB * 2**20)
+    assert Server(_quantized("qwen2", torch.bfloat16)).prefix_bytes == 0  # measured not to pay in bfloat16
+    assert Server(_quantized("qwen2", torch.bfloat16), prefix_mb=1).prefix_bytes == 1 << 20

@@ -47,11 +47,12 @@ def add_parser(sub) -> None:
     sv.add_argument("--suffix-tokens", type=int, default=1_000_000, metavar="N",
                     help="tokens of past prompts and answers each suffix store keeps, the oldest dropped first "
                          "(default 1000000, tens of MB)")
-    sv.add_argument("--prefix-cache", type=float, default=256, metavar="MB",
+    sv.add_argument("--prefix-cache", type=float, default=None, metavar="MB",
                     help="MiB of earlier requests' keys and values kept (per --suffix-scope store) so that a prompt "
                          "starting with text already read, as a chat's next turn or an agent's system prompt, "
-                         "prefills only the rest; output is unchanged (default 256; 0: none). With it every prefill "
-                         "runs through the fused layer, slower for long first-seen prompts")
+                         "prefills only the rest; output is unchanged. Every prefill then runs through the fused "
+                         "layer, slower for long first-seen prompts (default: 256 for --dtype int4, where it was "
+                         "measured faster on multi-turn traffic, else 0: none)")
     model_group(sv)
     speculation_options(sv, "the server's defaults; a request may choose its own under 'selfspec'")
     engine_options(sv)
@@ -86,7 +87,7 @@ def run(args) -> int:
         raise ValueError("--stall-seconds must be > 0")
     if args.suffix_tokens < 1:
         raise ValueError("--suffix-tokens must be >= 1")
-    if args.prefix_cache < 0:
+    if args.prefix_cache is not None and args.prefix_cache < 0:
         raise ValueError("--prefix-cache must be >= 0 MB")
     server_options = dict(max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key, speculation=spec,
                           served_name=args.name, max_request_seconds=args.max_request_seconds or None,

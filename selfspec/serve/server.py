@@ -42,6 +42,11 @@ DEFAULT_MAX_TOKENS = 256  # when a request gives none (OpenAI's own default is t
 DEFAULT_MAX_REQUEST_S = 600.0  # generous: SmolLM2's 2048-token context on 2 busy cores takes minutes
 DEFAULT_STALL_S = 120.0  # /health fails when rows are active and no step has ended for this long
 DEFAULT_PREFIX_MB = 256.0  # each prefix store's budget: thousands of tokens of a small model's cache entries
+# Where prefixes are kept unless asked: 4-bit models, whose fused prefill costs about what a GEMM's
+# does (Qwen2.5-Coder 0.5B's agent sessions: plain decoding 1.14-1.26x, suffix 1.32x with reuse);
+# in bfloat16 the fused prefill of a first-seen prompt costs 1.6-1.9x a GEMM's and reuse did not pay
+# (SmolLM2: 0.98x), 2-core AMD EPYC, results/agent_bench/prefix_*.
+PREFIX_BY_DEFAULT = ("int4",)
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 STATIC = Path(__file__).parent / "static"  # the page at / (index.html, app.js, style.css)
@@ -63,7 +68,7 @@ class Server:
                  api_key: str | None = None, speculation: Speculation | None = None, served_name: str | None = None,
                  max_request_seconds: float | None = DEFAULT_MAX_REQUEST_S, peers=None,
                  stall_seconds: float = DEFAULT_STALL_S, on_fatal=None, suffix_scope: str = "shared",
-                 suffix_tokens: int | None = None, prefix_mb: float = DEFAULT_PREFIX_MB):
+                 suffix_tokens: int | None = None, prefix_mb: float | None = None):
         """speculation: the default for requests that choose none, or only some of its options under
         `selfspec` (None: method "auto"). max_request_seconds: wall time from arrival after which a request ends with finish_reason
         "length" (None: no limit). peers: where replicas pool their /metrics (selfspec.serve.replicas.Peers);
@@ -76,12 +81,15 @@ class Server:
         all such requests). suffix_tokens: each suffix store's budget (None: the model's default).
         prefix_mb: MiB of earlier requests' cache entries kept per store (scoped as the suffix
         stores) for prompts that start with the same tokens (SelfSpecModel.keep_prefixes); 0 keeps
-        none. Where reuse would not be exact (no fused layer), none are kept and the log says why."""
+        none; None: DEFAULT_PREFIX_MB for the dtypes in PREFIX_BY_DEFAULT, else 0. Where reuse would
+        not be exact (no fused layer), none are kept and the log says why."""
         if suffix_scope not in ("shared", "user"):
             raise ValueError(f"suffix_scope must be 'shared' or 'user', got {suffix_scope!r}")
         self.suffix_scope = suffix_scope
         if suffix_tokens is not None:
             model.suffix_tokens = suffix_tokens
+        if prefix_mb is None:
+            prefix_mb = DEFAULT_PREFIX_MB if model.dtype_name in PREFIX_BY_DEFAULT else 0
         if prefix_mb < 0:
             raise ValueError(f"prefix_mb must be >= 0, got {prefix_mb}")
         reason = PrefixStore.available(model.adapter) if prefix_mb else None
