@@ -195,3 +195,27 @@ def test_prefixes_are_kept_by_default_for_4_bit_models_only():
     assert Server(int4).prefix_bytes == int(DEFAULT_PREFIX_MB * 2**20)
     assert Server(_quantized("qwen2", torch.bfloat16)).prefix_bytes == 0  # measured not to pay in bfloat16
     assert Server(_quantized("qwen2", torch.bfloat16), prefix_mb=1).prefix_bytes == 1 << 20
+
+
+@needs_fused
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen2", "int4")])
+def test_only_entries_a_prefill_would_write_are_kept_when_requests_are_batched(arch, dtype):
+    """A batched verify runs its rows through another path than the fused layer, whose keys and values
+    differ in the last bits: a batched generation keeps its tokens up to its first batched verify."""
+    model = _quantized(arch, dtype)
+    model.keep_prefixes(1 << 26)
+    store = model.prefix_store()
+    prompts = [_ids(30, 1), _ids(35, 2), _ids(33, 3)]
+    model.generate_batch(prompts, max_new_tokens=20, method="lookup", draft_len=3)
+    assert sorted(e.tokens.numel() for e in store._entries) == [30, 33, 35]  # the prompts and their first token's
+    model.generate(prompts[0], max_new_tokens=20, method="lookup", draft_len=3)  # alone: every verify fused
+    kept = max(store._entries, key=lambda e: e.tokens.numel())
+    assert kept.tokens.numel() > 40
+    for entry in store._entries:
+        cold = Decoding(model.adapter, torch.cat([entry.tokens, entry.tokens[-1:]]),
+                        make_drafter(model.resolve(Speculation("ar"))), sampling=SamplingParams(),
+                        max_new_tokens=2, stats=GenerationStats("ar"))
+        cold.prefill()
+        length = entry.tokens.numel()
+        assert torch.equal(cold.cache.keys[:, 0, :, :length], entry.keys)
+        assert torch.equal(cold.cache.values[:, 0, :, :length], entry.values)

@@ -113,6 +113,10 @@ class Decoding:
         this one's are added to when it ends (`remember`)."""
         self.adapter, self.drafter, self.sampling, self.stats = adapter, drafter, sampling, stats
         self.prefix = prefix
+        # Positions below this had their keys and values written by the fused layer (a prefill or
+        # a lone verify), the bits any prefill of the same tokens writes: what `remember` may keep.
+        # A batched verify (verify_rows) lowers it to its start: its rows run another path.
+        self.reusable = 1 << 62
         self.prompt_ids = prompt_ids.to(adapter.device).view(-1)
         check_length(adapter, self.prompt_ids.numel(), max_new_tokens)
         self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
@@ -211,9 +215,9 @@ class Decoding:
 
     def remember(self) -> None:
         """Add this sequence's tokens whose cache entries are valid (prompt and answer, up to the
-        pending token) to the prefix store, once."""
+        pending token) and a prefill's own (up to its first batched verify) to the prefix store, once."""
         if self.prefix is not None and self.cache.length:
-            self.prefix.add(self.ctx.committed[:self.cache.length], self.cache)
+            self.prefix.add(self.ctx.committed[:min(self.cache.length, self.reusable)], self.cache)
         self.prefix = None
 
     def _commit(self, tokens: list[int], drafted: int = 0, accepted: int = 0, drafter: str | None = None) -> Round:
@@ -256,6 +260,8 @@ def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]
     positions and never committed). Returns each row's logits [γ_b+1, vocab], each computed as
     that sequence's own verify would. The draft's KV of layers < k is recomputed, not reused."""
     n = max(len(d) for d in drafts) + 1
+    for seq in seqs:  # their keys and values from here on are not a prefill's bits (run_rows)
+        seq.reusable = min(seq.reusable, seq.start)
     rows = []
     for seq, draft in zip(seqs, drafts):
         ids = torch.cat([seq.pending, draft.tokens])
