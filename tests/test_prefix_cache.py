@@ -199,18 +199,15 @@ def test_prefixes_are_kept_by_default_for_4_bit_models_only():
 
 @needs_fused
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen2", "int4")])
-def test_only_entries_a_prefill_would_write_are_kept_when_requests_are_batched(arch, dtype):
-    """A batched verify runs its rows through another path than the fused layer, whose keys and values
-    differ in the last bits: a batched generation keeps its tokens up to its first batched verify."""
+def test_batched_generations_keep_the_entries_a_prefill_would_write(arch, dtype):
+    """A batched verify runs the sequences' rows through the fused layer together, each row's keys and
+    values its lone verify's: a batched generation's whole answer is kept, the bits a prefill writes."""
     model = _quantized(arch, dtype)
     model.keep_prefixes(1 << 26)
     store = model.prefix_store()
     prompts = [_ids(30, 1), _ids(35, 2), _ids(33, 3)]
     model.generate_batch(prompts, max_new_tokens=20, method="lookup", draft_len=3)
-    assert sorted(e.tokens.numel() for e in store._entries) == [30, 33, 35]  # the prompts and their first token's
-    model.generate(prompts[0], max_new_tokens=20, method="lookup", draft_len=3)  # alone: every verify fused
-    kept = max(store._entries, key=lambda e: e.tokens.numel())
-    assert kept.tokens.numel() > 40
+    assert len(store) == 3 and all(e.tokens.numel() >= 40 for e in store._entries)  # prompts and answers
     for entry in store._entries:
         cold = Decoding(model.adapter, torch.cat([entry.tokens, entry.tokens[-1:]]),
                         make_drafter(model.resolve(Speculation("ar"))), sampling=SamplingParams(),
@@ -219,3 +216,12 @@ def test_only_entries_a_prefill_would_write_are_kept_when_requests_are_batched(a
         length = entry.tokens.numel()
         assert torch.equal(cold.cache.keys[:, 0, :, :length], entry.keys)
         assert torch.equal(cold.cache.values[:, 0, :, :length], entry.values)
+
+
+@needs_fused
+def test_outside_the_fused_layer_a_batched_generation_keeps_only_its_prompt(monkeypatch):
+    model = _quantized("qwen2", "int4")
+    model.keep_prefixes(1 << 26)
+    monkeypatch.setattr(model.adapter, "runs_fused", lambda rows: False)  # batched verifies through PyTorch's modules
+    model.generate_batch([_ids(30, 1), _ids(35, 2)], max_new_tokens=12, method="lookup", draft_len=3)
+    assert sorted(e.tokens.numel() for e in model.prefix_store()._entries) == [30, 35]

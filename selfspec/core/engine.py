@@ -115,7 +115,7 @@ class Decoding:
         self.prefix = prefix
         # Positions below this had their keys and values written by the fused layer (a prefill or
         # a lone verify), the bits any prefill of the same tokens writes: what `remember` may keep.
-        # A batched verify (verify_rows) lowers it to its start: its rows run another path.
+        # A batched verify outside the fused layer (verify_rows) lowers it to its start.
         self.reusable = 1 << 62
         self.prompt_ids = prompt_ids.to(adapter.device).view(-1)
         check_length(adapter, self.prompt_ids.numel(), max_new_tokens)
@@ -260,8 +260,9 @@ def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]
     positions and never committed). Returns each row's logits [γ_b+1, vocab], each computed as
     that sequence's own verify would. The draft's KV of layers < k is recomputed, not reused."""
     n = max(len(d) for d in drafts) + 1
-    for seq in seqs:  # their keys and values from here on are not a prefill's bits (run_rows)
-        seq.reusable = min(seq.reusable, seq.start)
+    if not adapter.runs_fused(n):  # PyTorch's modules: keys and values not a prefill's bits from here on
+        for seq in seqs:
+            seq.reusable = min(seq.reusable, seq.start)
     rows = []
     for seq, draft in zip(seqs, drafts):
         ids = torch.cat([seq.pending, draft.tokens])

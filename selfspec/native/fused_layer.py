@@ -66,6 +66,7 @@ class FusedLayers:
     def __init__(self, step):
         shape, adapter = step.shape, step.adapter
         self._op = gemv._STATE["lib"].fused_layer.default
+        self._rows_op = gemv._STATE["lib"].fused_rows.default
         self.adapter = adapter
         self.shape = shape
         self.act = ACTS[shape.act]
@@ -94,6 +95,33 @@ class FusedLayers:
             if cache.exit_layer == i + 1:  # h_k, beside layer k-1's keys (see KVCache)
                 cache.write_exit_states(start, x)
         return x.unsqueeze(0)
+
+
+    def run_rows(self, h: torch.Tensor, layers, starts: list[int], caches: list) -> torch.Tensor:
+        """h [B, n, hidden] (n <= ROWS): row b at positions starts[b].. of its own cache caches[b]
+        (a batched verify), as many sequences a call as ROWS rows hold. Each row is its sequence's
+        one-sequence call's (`run`) bit for bit (kernels/layer.h, layer_spans)."""
+        adapter, shape, op = self.adapter, self.shape, self._rows_op
+        b, n, hidden = h.shape
+        per_call = max(1, ROWS // n)
+        tables = adapter.rope_tables()
+        out = []
+        for g in range(0, b, per_call):
+            group = range(g, min(b, g + per_call))
+            x = h[g:g + len(group)].reshape(-1, hidden).clone(memory_format=torch.contiguous_format)
+            keys = [caches[i].keys for i in group]
+            values = [caches[i].values for i in group]
+            starts_g = [int(starts[i]) for i in group]
+            for layer in layers:
+                spec = adapter.specs[layer]
+                cos, sin = tables[spec.rope]
+                op(x, self.weights[layer], cos, sin, keys, values, starts_g, layer, shape.n_heads, self.act,
+                   shape.sandwich, shape.qk_norm, shape.eps, shape.scale, spec.window or 0, True, True)
+                for j, i in enumerate(group):
+                    if caches[i].exit_layer == layer + 1:  # h_k, beside layer k-1's keys (see KVCache)
+                        caches[i].write_exit_states(starts[i], x[j * n:(j + 1) * n])
+            out.append(x.view(len(group), n, hidden))
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def norm_eps(norm, default: float) -> float:

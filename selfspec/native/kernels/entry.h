@@ -56,6 +56,15 @@ int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, void* W, int b
 int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window, const void* cos,
                    const void* sin, void* kc, void* vc, long capacity, int do_attn, int do_mlp, int threads,
                    int siblings);
+// One sequence's cache of one layer ([kv_heads, capacity, head_dim] keys and values) and the position
+// of its first row in a call (selfspec_layer_spans).
+struct Span {
+    void *kc, *vc;
+    long capacity, start;
+};
+// The rows of nspans sequences, n / nspans each in turn, each with its own Span (a batched verify).
+int selfspec_layer_spans(const Dims* d, const Weights* w, int dtype, void* h, int n, const Span* spans, int nspans,
+                         long window, const void* cos, const void* sin, int do_attn, int do_mlp, int threads);
 
 // The feature head's drafting step (feature.cpp). dtype: 0 bfloat16 throughout, 2 float32 throughout.
 int selfspec_feature(const FeatureDims* d, const FeatureWeights* w, int dtype, const void* previous,

@@ -20,3 +20,19 @@ int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, l
     }
     return 2;
 }
+
+int selfspec_layer_spans(const Dims* d, const Weights* w, int dtype, void* h, int n, const Span* spans, int nspans,
+                         long window, const void* cos, const void* sin, int do_attn, int do_mlp, int threads) {
+    typedef uint16_t B;
+    switch (dtype) {
+        case 0: return layer_spans<B, B>(*d, *w, (B*)h, n, spans, nspans, window, (const B*)cos, (const B*)sin,
+                                         do_attn, do_mlp, threads);
+        case 1: return layer_spans<int8_t, B>(*d, *w, (B*)h, n, spans, nspans, window, (const B*)cos, (const B*)sin,
+                                              do_attn, do_mlp, threads);
+        case 3: return layer_spans<uint8_t, B>(*d, *w, (B*)h, n, spans, nspans, window, (const B*)cos, (const B*)sin,
+                                               do_attn, do_mlp, threads);
+        case 2: return layer_spans<float, float>(*d, *w, (float*)h, n, spans, nspans, window, (const float*)cos,
+                                                 (const float*)sin, do_attn, do_mlp, threads);
+    }
+    return 2;
+}

@@ -398,12 +398,22 @@ static void activation(const E* gu, E* act, long I, int kind, bool gated) {
 // positions <= start and then its own slot: every row computes exactly what a one-row step of its
 // token at its position would (the same keys in the same order), and the caller keeps the slot
 // of the alternative it accepts.
+//
+// Spans: the rows of several sequences in one call (a batched verify), each sequence's `per` rows
+// in turn with its own cache (entry.h's Span: the layer's keys and values, capacity, first row's
+// position); one span is one sequence. The products take all rows together; each row's rotary,
+// cache write and attention are its own sequence's, so every row is its one-sequence call's bit
+// for bit.
 template <typename T, typename E>
-static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long window, const E* cos, const E* sin,
-                 E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads, int siblings = 0) {
+static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span* spans, int nspans, long window,
+                       const E* cos, const E* sin, int do_attn, int do_mlp, int threads, int siblings = 0) {
     const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
     const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
-    if (n < 1 || n > MAX_ROWS || hd % 16 || hd > 512 || H % 8 || I % 8 || start + n > capacity) return 1;
+    if (n < 1 || n > MAX_ROWS || hd % 16 || hd > 512 || H % 8 || I % 8 || nspans < 1 || n % nspans) return 1;
+    const int per = n / nspans;
+    if (siblings && nspans > 1) return 1;
+    for (int s = 0; s < nspans; s++)
+        if (spans[s].start < 0 || spans[s].start + per > spans[s].capacity) return 1;
     const long widest = std::max(std::max(H, I), qdim);
     static thread_local std::vector<E> work;
     static thread_local std::vector<float> X;
@@ -418,7 +428,9 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
         for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_in, x + r * H, H, d.eps, gemma);
         linear<T, E>(w.wqkv, x, w.sqkv, w.bqkv, qkv, qkv_dim, H, n, threads, X.data());
         for (int r = 0; r < n; r++) {
-            long p = siblings && r ? start + 1 : start + r, slot = start + r;
+            const Span& sp = spans[r / per];
+            const long i = r % per, capacity = sp.capacity;
+            const long p = siblings && i ? sp.start + 1 : sp.start + i, slot = sp.start + i;
             E* row = qkv + r * qkv_dim;
             for (long head = 0; head < nh + nkv; head++) {
                 E* v = row + head * hd;
@@ -426,27 +438,30 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
                 rotate(v, cos + p * hd, sin + p * hd, hd);
             }
             for (long g = 0; g < nkv; g++) {
-                memcpy(kc + (g * capacity + slot) * hd, row + (nh + g) * hd, hd * sizeof(E));
-                memcpy(vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
+                memcpy((E*)sp.kc + (g * capacity + slot) * hd, row + (nh + g) * hd, hd * sizeof(E));
+                memcpy((E*)sp.vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
             }
         }
-        // The queries of KV head g are the (row, head) pairs of its heads, n · group of them; a task
-        // takes a chunk of up to rows_per_attend of them, which read the keys together (attend_rows).
-        const long group = nh / nkv, queries = n * group, per = rows_per_attend(hd);
-        const long chunks = (queries + per - 1) / per, tasks = nkv * chunks;
+        // The queries of a span's KV head g are the (row, head) pairs of its heads, per · group of
+        // them; a task takes a chunk of up to rows_per_attend of them, which read the keys together
+        // (attend_rows).
+        const long group = nh / nkv, queries = per * group, most = rows_per_attend(hd);
+        const long chunks = (queries + most - 1) / most, tasks = nspans * nkv * chunks;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (long t = 0; t < tasks; t++) {
-            const long g = t / chunks, c = t % chunks, i0 = c * queries / chunks;
+            const Span& sp = spans[t / (nkv * chunks)];
+            const long g = t / chunks % nkv, c = t % chunks, i0 = c * queries / chunks, first = t / (nkv * chunks) * per;
             const int count = (int)((c + 1) * queries / chunks - i0);  // balanced chunks
             E *qs[MAX_ATTEND], *os[MAX_ATTEND];
             long los[MAX_ATTEND], ps[MAX_ATTEND], owns[MAX_ATTEND];
-            for (int i = 0; i < count; i++) {
-                const long r = (i0 + i) / group, head = g * group + (i0 + i) % group;
-                const long p = siblings && r ? start + 1 : start + r;
-                qs[i] = qkv + r * qkv_dim + head * hd, os[i] = o + r * qdim + head * hd;
-                los[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, ps[i] = p, owns[i] = start + r;
+            for (int q = 0; q < count; q++) {
+                const long i = (i0 + q) / group, r = first + i, head = g * group + (i0 + q) % group;
+                const long p = siblings && i ? sp.start + 1 : sp.start + i;
+                qs[q] = qkv + r * qkv_dim + head * hd, os[q] = o + r * qdim + head * hd;
+                los[q] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, ps[q] = p, owns[q] = sp.start + i;
             }
-            attend_rows(qs, kc + g * capacity * hd, vc + g * capacity * hd, los, ps, owns, count, hd, d.scale, os);
+            attend_rows(qs, (const E*)sp.kc + g * sp.capacity * hd, (const E*)sp.vc + g * sp.capacity * hd, los, ps,
+                        owns, count, hd, d.scale, os);
         }
         linear<T, E>(w.wo, o, w.so, nullptr, a, H, qdim, n, threads, X.data());
         for (int r = 0; r < n; r++) {
@@ -466,4 +481,12 @@ static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long 
         }
     }
     return 0;
+}
+
+// One sequence's rows at positions start .. start+n-1 (see layer_spans).
+template <typename T, typename E>
+static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long window, const E* cos, const E* sin,
+                 E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads, int siblings = 0) {
+    const Span span{kc, vc, capacity, start};
+    return layer_spans<T, E>(d, w, h, n, &span, 1, window, cos, sin, do_attn, do_mlp, threads, siblings);
 }

@@ -191,10 +191,11 @@ Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const st
 // One decoder layer over x [n, hidden] in place (layer.h). weights: wqkv, bqkv, wo, wgu, wd, sqkv,
 // so, sgu, sd, norm_in, norm_attn, norm_ff, norm_post, q_norm, k_norm (entry.h's Weights), None
 // where a layer has none; keys, values: the model's cache [layers, 1, kv_heads, capacity, head_dim].
-void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
-                 const Tensor& sin, const Tensor& keys, const Tensor& values, int64_t layer, int64_t heads,
-                 int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t start, int64_t window,
-                 bool attn, bool mlp, bool siblings) {
+// The layer's weights checked against x [n, hidden] and the cache's kv_heads and head_dim, as
+// entry.h's Weights and Dims; returns selfspec_layer's dtype code.
+static int layer_weights(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, int64_t nkv, int64_t hd,
+                         int64_t heads, int64_t act, bool sandwich, bool qk_norm, double eps, double scale, Weights& w,
+                         Dims& d) {
     TORCH_CHECK(weights.size() == 15, "fused_layer takes 15 weights (entry.h's Weights), got ", weights.size());
     auto get = [&](int i, const char* name) -> const Tensor& {
         TORCH_CHECK(weights[i].has_value() && weights[i]->defined(), name, " is missing");
@@ -204,10 +205,9 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
     const auto E = x.scalar_type(), T = weight_dtype(x, wqkv, true);
     const bool int8 = T == at::kChar, int4 = T == at::kByte;  // int4: [out, in / 32, 16] blocks (quant4.h)
     const int64_t wdim = int4 ? 3 : 2;
-    TORCH_CHECK(x.dim() == 2 && wqkv.dim() == wdim && wd.dim() == wdim && keys.dim() == 5,
-                "x [n, hidden], ", wdim, "-D weights and a 5-D cache, got ", x.sizes(), ", ", wqkv.sizes(), ", ",
-                wd.sizes(), " and ", keys.sizes());
-    const int64_t n = x.size(0), H = x.size(1), nkv = keys.size(2), hd = keys.size(4);
+    TORCH_CHECK(x.dim() == 2 && wqkv.dim() == wdim && wd.dim() == wdim, "x [n, hidden] and ", wdim, "-D weights, got ",
+                x.sizes(), ", ", wqkv.sizes(), " and ", wd.sizes());
+    const int64_t n = x.size(0), H = x.size(1);
     const int64_t I = int4 ? wd.size(1) * 32 : wd.size(1);
     const int64_t qdim = heads * hd, qkv_dim = (heads + 2 * nkv) * hd;
     TORCH_CHECK(1 <= n && n <= kMaxRows, "the fused layer takes 1..", kMaxRows, " rows, got ", n);
@@ -215,17 +215,7 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
     TORCH_CHECK(hd % 16 == 0 && hd <= 512 && H % 8 == 0 && I % 8 == 0, "head size ", hd, " (a multiple of 16, <= 512), "
                 "hidden ", H, " and MLP ", I, " sizes (multiples of 8) the fused layer does not take");
     TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (tanh GELU), got ", act);
-    TORCH_CHECK(start >= 0 && window >= 0, "start and window must be >= 0, got ", start, " and ", window);
     check(x, "x", E, {n, H});
-    void* kc = cache_layer(keys, "keys", E, layer, nkv, hd);
-    void* vc = cache_layer(values, "values", E, layer, nkv, hd);
-    TORCH_CHECK(values.size(0) == keys.size(0) && values.size(3) == keys.size(3), "keys ", keys.sizes(),
-                " and values ", values.sizes(), " differ");
-    const int64_t capacity = keys.size(3);
-    TORCH_CHECK(start + n <= capacity, "positions ", start, "..", start + n - 1, " overrun the cache's ", capacity);
-    check_rope(cos, "cos", E, hd, start + n);
-    check_rope(sin, "sin", E, hd, start + n);
-    Weights w{};
     if (int4) {
         TORCH_CHECK(H % 32 == 0 && qdim % 32 == 0 && I % 32 == 0, "4-bit blocks of 32 need hidden ", H, ", ", qdim,
                     " and MLP ", I, " sizes that are multiples of 32");
@@ -258,11 +248,72 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
     w.norm_post = optional_ptr(weights[12], sandwich, "norm_post", E, {H});
     w.q_norm = optional_ptr(weights[13], qk_norm, "q_norm", E, {hd});
     w.k_norm = optional_ptr(weights[14], qk_norm, "k_norm", E, {hd});
-    const Dims d{H, heads, nkv, hd, I, (float)eps, (float)scale, (int)act, sandwich, qk_norm, 1};
-    const int dtype = T == at::kBFloat16 ? 0 : int8 ? 1 : int4 ? 3 : 2;
+    d = Dims{H, heads, nkv, hd, I, (float)eps, (float)scale, (int)act, sandwich, qk_norm, 1};
+    return T == at::kBFloat16 ? 0 : int8 ? 1 : int4 ? 3 : 2;
+}
+
+void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
+                 const Tensor& sin, const Tensor& keys, const Tensor& values, int64_t layer, int64_t heads,
+                 int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t start, int64_t window,
+                 bool attn, bool mlp, bool siblings) {
+    TORCH_CHECK(keys.dim() == 5, "a 5-D cache, got ", keys.sizes());
+    const auto E = x.scalar_type();
+    const int64_t nkv = keys.size(2), hd = keys.size(4);
+    Weights w{};
+    Dims d{};
+    const int dtype = layer_weights(x, weights, nkv, hd, heads, act, sandwich, qk_norm, eps, scale, w, d);
+    const int64_t n = x.size(0);
+    TORCH_CHECK(start >= 0 && window >= 0, "start and window must be >= 0, got ", start, " and ", window);
+    void* kc = cache_layer(keys, "keys", E, layer, nkv, hd);
+    void* vc = cache_layer(values, "values", E, layer, nkv, hd);
+    TORCH_CHECK(values.size(0) == keys.size(0) && values.size(3) == keys.size(3), "keys ", keys.sizes(),
+                " and values ", values.sizes(), " differ");
+    const int64_t capacity = keys.size(3);
+    TORCH_CHECK(start + n <= capacity, "positions ", start, "..", start + n - 1, " overrun the cache's ", capacity);
+    check_rope(cos, "cos", E, hd, start + n);
+    check_rope(sin, "sin", E, hd, start + n);
     const int status = selfspec_layer(&d, &w, dtype, x.data_ptr(), (int)n, start, window, cos.data_ptr(),
                                       sin.data_ptr(), kc, vc, capacity, attn, mlp, at::get_num_threads(), siblings);
     TORCH_CHECK(status == 0, "the fused layer refused ", n, " rows at position ", start, " (status ", status, ")");
+}
+
+// The rows of several sequences (a batched verify): x [n, hidden] holds len(starts) sequences' rows,
+// n / len(starts) each in turn; sequence s's rows are at positions starts[s].. of its own cache
+// keys[s], values[s] (each [layers, 1, kv_heads, capacity, head_dim], capacities free).
+void fused_rows(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
+                const Tensor& sin, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                const std::vector<int64_t>& starts, int64_t layer, int64_t heads, int64_t act, bool sandwich,
+                bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp) {
+    const int64_t spans = (int64_t)starts.size();
+    TORCH_CHECK(spans >= 1 && (int64_t)keys.size() == spans && (int64_t)values.size() == spans,
+                "one cache (keys and values) per start, got ", keys.size(), ", ", values.size(), " and ", spans);
+    TORCH_CHECK(keys[0].dim() == 5, "5-D caches, got ", keys[0].sizes());
+    const auto E = x.scalar_type();
+    const int64_t nkv = keys[0].size(2), hd = keys[0].size(4);
+    Weights w{};
+    Dims d{};
+    const int dtype = layer_weights(x, weights, nkv, hd, heads, act, sandwich, qk_norm, eps, scale, w, d);
+    const int64_t n = x.size(0);
+    TORCH_CHECK(n % spans == 0, n, " rows do not split over ", spans, " sequences");
+    TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
+    const int64_t per = n / spans;
+    std::vector<Span> span(spans);
+    int64_t end = 0;
+    for (int64_t s = 0; s < spans; s++) {
+        TORCH_CHECK(keys[s].dim() == 5 && values[s].sizes() == keys[s].sizes(), "sequence ", s, "'s keys ",
+                    keys[s].sizes(), " and values ", values[s].sizes(), " differ or are not 5-D");
+        const int64_t capacity = keys[s].size(3);
+        TORCH_CHECK(starts[s] >= 0 && starts[s] + per <= capacity, "sequence ", s, "'s positions ", starts[s], "..",
+                    starts[s] + per - 1, " overrun its cache's ", capacity);
+        span[s] = Span{cache_layer(keys[s], "keys", E, layer, nkv, hd), cache_layer(values[s], "values", E, layer, nkv, hd),
+                       capacity, starts[s]};
+        end = std::max(end, starts[s] + per);
+    }
+    check_rope(cos, "cos", E, hd, end);
+    check_rope(sin, "sin", E, hd, end);
+    const int status = selfspec_layer_spans(&d, &w, dtype, x.data_ptr(), (int)n, span.data(), (int)spans, window,
+                                            cos.data_ptr(), sin.data_ptr(), attn, mlp, at::get_num_threads());
+    TORCH_CHECK(status == 0, "the fused layer refused ", n, " rows of ", spans, " sequences (status ", status, ")");
 }
 
 // The feature head's drafting step (feature.cpp) over previous, embedded [1, n, hidden]: returns the
@@ -338,6 +389,9 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
     m.def("fused_layer(Tensor(a!) x, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(b!) keys, Tensor(c!) values, "
           "int layer, int heads, int act, bool sandwich, bool qk_norm, float eps, float scale, int start, int window, "
           "bool attn, bool mlp, bool siblings) -> ()");
+    m.def("fused_rows(Tensor(a!) x, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, "
+          "int[] starts, int layer, int heads, int act, bool sandwich, bool qk_norm, float eps, float scale, int window, "
+          "bool attn, bool mlp) -> ()");
     m.def("feature_step(Tensor previous, Tensor embedded, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) keys, "
           "Tensor(b!) values, Tensor(c!)? logits, int heads, float eps, float scale, float final_eps, float softcap, "
           "bool final_gemma, int start) -> Tensor");
@@ -349,5 +403,6 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
     m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(int4_dequantize));
     m.impl("int4_prefill", c10::DispatchKey::CPU, TORCH_FN(int4_prefill));
     m.impl("fused_layer", c10::DispatchKey::CPU, TORCH_FN(fused_layer));
+    m.impl("fused_rows", c10::DispatchKey::CPU, TORCH_FN(fused_rows));
     m.impl("feature_step", c10::DispatchKey::CPU, TORCH_FN(feature_step));
 }
