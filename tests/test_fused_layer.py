@@ -215,3 +215,32 @@ def test_short_prefill_runs_as_fused_calls_of_16_where_bfloat16_is_emulated(arch
     assert_greedy_lossless(model, prompt, n=24, method="early-exit", exit_layer=2, draft_len=3)
     assert_greedy_lossless(model, prompt, n=24, method="lookup", draft_len=3)
     assert calls[3:5] == [16, 16]  # the generations prefilled in chunks too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int4"])
+def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype):
+    """run_rows through the fused layer (several sequences' rows a call, kernels/layer.h layer_spans):
+    every row's hidden state and every cache entry it writes equal the one-sequence forward's."""
+    model = _quantized("qwen2", dtype)
+    adapter = model.adapter
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 11, 12, 10)]
+    rows = torch.randint(0, VOCAB, (len(prompts), 4), generator=torch.Generator().manual_seed(1))
+
+    def prefilled():
+        caches = [adapter.new_cache(40) for _ in prompts]
+        with torch.inference_mode():
+            for ids, cache in zip(prompts, caches):
+                adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), 0, cache)
+        return caches
+
+    alone, together = prefilled(), prefilled()
+    with torch.inference_mode():
+        lone = [adapter.run_layers(adapter.embed(r), range(adapter.n_layers), len(p), c, rowwise=True)
+                for r, p, c in zip(rows, prompts, alone)]
+        batched = adapter.run_rows(adapter.embed(rows.flatten()).view(len(prompts), 4, -1), range(adapter.n_layers),
+                                   [len(p) for p in prompts], together)  # 20 rows: two kernel calls
+    for b in range(len(prompts)):
+        assert torch.equal(batched[b], lone[b][0])
+        end = len(prompts[b]) + 4
+        assert torch.equal(together[b].keys[:, :, :, :end], alone[b].keys[:, :, :, :end])
+        assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])
