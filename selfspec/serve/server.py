@@ -43,9 +43,9 @@ DEFAULT_MAX_REQUEST_S = 600.0  # generous: SmolLM2's 2048-token context on 2 bus
 DEFAULT_STALL_S = 120.0  # /health fails when rows are active and no step has ended for this long
 DEFAULT_PREFIX_MB = 256.0  # each prefix store's budget: thousands of tokens of a small model's cache entries
 # Where prefixes are kept unless asked: 4-bit models, whose fused prefill costs about what a GEMM's
-# does (Qwen2.5-Coder 0.5B's agent sessions: plain decoding 1.23x, suffix 1.28x with reuse);
+# does (Qwen2.5-Coder 0.5B's agent sessions: plain decoding 1.25x, suffix 1.24x with reuse);
 # in bfloat16 the fused prefill of a first-seen prompt costs 1.6-1.9x a GEMM's and reuse did not pay
-# (SmolLM2: 0.96x), 2-core AMD EPYC, results/agent_bench/prefix_*.
+# (SmolLM2: 1.01x and 0.96x), 2-core AMD EPYC, results/agent_bench/prefix_*.
 PREFIX_BY_DEFAULT = ("int4",)
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
