@@ -87,10 +87,10 @@ class SelfSpecModel:
     suffix_tokens: int = 1_000_000  # each store's budget in tokens (the oldest text goes past it)
     _suffix: dict = field(init=False, default_factory=dict, repr=False)
     _suffix_lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
-    # Prefix stores by tenant, as the suffix stores: earlier generations' cache entries that a new
-    # prompt starting with the same tokens reuses (`keep_prefixes`; 0 bytes: none kept).
+    # One prefix store, its entries by tenant (as the suffix stores): earlier generations' cache
+    # entries that a new prompt starting with the same tokens reuses (`keep_prefixes`; 0: none kept).
     prefix_bytes: int = 0
-    _prefix: dict = field(init=False, default_factory=dict, repr=False)
+    _prefix: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.adapter = ModelAdapter(self.hf_model)
@@ -228,8 +228,8 @@ class SelfSpecModel:
             self._suffix.clear()
 
     def keep_prefixes(self, budget_bytes: int) -> None:
-        """Keep each finished generation's cache entries (prompt and answer), up to budget_bytes per
-        tenant, the least recently used dropped first; a later prompt that starts with the same
+        """Keep each finished generation's cache entries (prompt and answer), up to budget_bytes
+        over all tenants, the least recently used dropped first; a later prompt that starts with the same
         tokens prefills only the rest (selfspec.model.prefix_cache). Output is unchanged: from now
         on every prefill runs through the fused layer, whose keys and values do not depend on how
         a prompt is split. 0 stops keeping them. Raises ValueError where reuse would not be exact."""
@@ -242,24 +242,19 @@ class SelfSpecModel:
             raise ValueError(f"{self.name} cannot reuse prefixes exactly here: {reason}")
         with self._suffix_lock:
             self.prefix_bytes = budget_bytes
-            self._prefix.clear()
+            self._prefix = PrefixStore(budget_bytes) if budget_bytes else None
         if self.adapter.step is not None:
             self.adapter.step.rowwise_prefill = budget_bytes > 0
 
     def prefix_store(self, tenant: str | None = None):
-        """The prefix store for `tenant` (None: the shared one), or None where none is kept."""
-        from selfspec.model.prefix_cache import PrefixStore
-
-        if not self.prefix_bytes:
-            return None
+        """The prefix store as `tenant` sees it (None: the shared entries), or None where none is kept."""
         with self._suffix_lock:
-            if tenant not in self._prefix:
-                self._prefix[tenant] = PrefixStore(self.prefix_bytes)
-            return self._prefix[tenant]
+            return None if self._prefix is None else self._prefix.scoped(tenant)
 
     def prefix_stores(self) -> list:
+        """The prefix store (its entries over every tenant), in a list: [] where none is kept."""
         with self._suffix_lock:
-            return list(self._prefix.values())
+            return [] if self._prefix is None else [self._prefix]
 
     def resolve(self, speculation: Speculation, tenant: str | None = None) -> Resolved:
         """The speculation made concrete for this model on this machine, checked once, before the

@@ -204,7 +204,7 @@ def test_batched_generations_keep_the_entries_a_prefill_would_write(arch, dtype)
     values its lone verify's: a batched generation's whole answer is kept, the bits a prefill writes."""
     model = _quantized(arch, dtype)
     model.keep_prefixes(1 << 26)
-    store = model.prefix_store()
+    store = model.prefix_stores()[0]
     prompts = [_ids(30, 1), _ids(35, 2), _ids(33, 3)]
     model.generate_batch(prompts, max_new_tokens=20, method="lookup", draft_len=3)
     assert len(store) == 3 and all(e.tokens.numel() >= 40 for e in store._entries)  # prompts and answers
@@ -224,4 +224,21 @@ def test_outside_the_fused_layer_a_batched_generation_keeps_only_its_prompt(monk
     model.keep_prefixes(1 << 26)
     monkeypatch.setattr(model.adapter, "runs_fused", lambda rows: False)  # batched verifies through PyTorch's modules
     model.generate_batch([_ids(30, 1), _ids(35, 2)], max_new_tokens=12, method="lookup", draft_len=3)
-    assert sorted(e.tokens.numel() for e in model.prefix_store()._entries) == [30, 35]
+    assert sorted(e.tokens.numel() for e in model.prefix_stores()[0]._entries) == [30, 35]
+
+
+def test_tenants_share_one_budget_and_never_each_others_entries():
+    store = PrefixStore(1 << 20, min_tokens=4)
+    a, b = store.scoped("a"), store.scoped("b")
+    a.add(list(range(20)), _cache(20))
+    assert b.restore(torch.tensor(list(range(20))), _cache(0)) == 0  # b never reads a's text
+    assert store.scoped(None).restore(torch.tensor(list(range(20))), _cache(0)) == 0
+    assert a.restore(torch.tensor(list(range(20))), _cache(0)) == 19
+    b.add(list(range(20)), _cache(20))  # the same tokens for b: its own entry
+    assert len(store) == 2
+    one = store.nbytes // 2
+    small = PrefixStore(2 * one + one // 2, min_tokens=4)  # room for two entries over all tenants
+    for i, tenant in enumerate("xyz"):
+        small.scoped(tenant).add(list(range(100 * i, 100 * i + 20)), _cache(20))
+    assert len(small) == 2 and small.nbytes <= small.budget_bytes  # x's, the oldest, went
+    assert small.scoped("x").restore(torch.tensor(list(range(21))), _cache(0)) == 0

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
                     help="tokens of past prompts and answers each suffix store keeps, the oldest dropped first "
                          "(default 1000000, tens of MB)")
     sv.add_argument("--prefix-cache", type=float, default=None, metavar="MB",
-                    help="MiB of earlier requests' keys and values kept (per --suffix-scope store) so that a prompt "
+                    help="MiB of earlier requests' keys and values kept (reused as --suffix-scope says) so that a prompt "
                          "starting with text already read, as a chat's next turn or an agent's system prompt, "
                          "prefills only the rest; output is unchanged. Every prefill then runs through the fused "
                          "layer, slower for long first-seen prompts (default: 256 for --dtype int4, where it was "

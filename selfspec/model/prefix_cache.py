@@ -34,6 +34,7 @@ class _Entry:
     values: torch.Tensor
     exit_layer: int | None  # whose exit states are kept beside them (KVCache.exit_layer)
     exit_states: torch.Tensor | None  # [L, hidden]
+    tenant: object = None  # whose text it is: only the same tenant's prompts reuse it
     used: int = 0  # the store's clock at the last use (least recently used goes first)
 
     @property
@@ -50,8 +51,9 @@ def _common(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 class PrefixStore:
-    """Finished generations' tokens and cache entries, at most `budget_bytes` of them (the least
-    recently used dropped first). Thread-safe."""
+    """Finished generations' tokens and cache entries, at most `budget_bytes` of them over every
+    tenant (the least recently used dropped first); a tenant's prompts reuse only its own entries
+    (`scoped`). Thread-safe."""
 
     def __init__(self, budget_bytes: int, min_tokens: int = MIN_TOKENS):
         if budget_bytes < 0:
@@ -84,14 +86,21 @@ class PrefixStore:
         with self._lock:
             return len(self._entries)
 
-    def restore(self, ids: torch.Tensor, cache: KVCache) -> int:
+    def scoped(self, tenant) -> "Scoped":
+        """This store as one tenant sees it: restore and add with that tenant."""
+        return Scoped(self, tenant)
+
+    def restore(self, ids: torch.Tensor, cache: KVCache, tenant=None) -> int:
         """Copy the longest stored prefix of the prompt `ids` [n] (at most n - 1 tokens: the last
-        one's logits are the first new token's) into `cache`; returns its length (0: none)."""
+        one's logits are the first new token's) of `tenant`'s entries into `cache`; returns its
+        length (0: none)."""
         ids = ids.detach().view(-1).cpu()
         with self._lock:
             self.lookups += 1
             best, length = None, 0
             for entry in self._entries:
+                if entry.tenant != tenant:
+                    continue
                 if entry.exit_layer is not None and entry.exit_layer != cache.exit_layer:
                     continue  # its exit states are another layer's: they would not be the cache's
                 if cache.exit_layer is not None and entry.exit_layer is None:
@@ -112,7 +121,7 @@ class PrefixStore:
                 cache.exit_states[:length] = best.exit_states[:length].to(device)
         return length
 
-    def add(self, tokens: list[int], cache: KVCache) -> None:
+    def add(self, tokens: list[int], cache: KVCache, tenant=None) -> None:
         """Keep `tokens` (the first len(tokens) positions of `cache`, all valid) and their entries.
         An entry whose tokens the new ones extend is replaced; one that already holds them is kept."""
         n = min(len(tokens), cache.length)
@@ -122,18 +131,19 @@ class PrefixStore:
         with self._lock:
             self._clock += 1
             for entry in self._entries:
-                if entry.tokens.numel() >= n and _common(entry.tokens, ids) == n and self._fits(entry, cache):
+                if (entry.tenant == tenant and entry.tokens.numel() >= n and _common(entry.tokens, ids) == n
+                        and self._fits(entry, cache)):
                     entry.used = self._clock  # already held, as long or longer
                     return
             keys = cache.keys[:, 0, :, :n].to("cpu", copy=True)
             values = cache.values[:, 0, :, :n].to("cpu", copy=True)
             states = None if cache.exit_layer is None else cache.exit_states[:n].to("cpu", copy=True)
-            entry = _Entry(ids, keys, values, cache.exit_layer, states, self._clock)
+            entry = _Entry(ids, keys, values, cache.exit_layer, states, tenant, self._clock)
             if entry.nbytes > self.budget_bytes:
                 return
             self._entries = [e for e in self._entries
-                             if not (e.tokens.numel() <= n and _common(e.tokens, ids) == e.tokens.numel()
-                                     and self._fits(e, cache))]
+                             if not (e.tenant == tenant and e.tokens.numel() <= n
+                                     and _common(e.tokens, ids) == e.tokens.numel() and self._fits(e, cache))]
             self._entries.append(entry)
             self._entries.sort(key=lambda e: e.used)
             total = sum(e.nbytes for e in self._entries)
@@ -149,3 +159,17 @@ class PrefixStore:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+@dataclass
+class Scoped:
+    """A PrefixStore as one tenant sees it (what a generation is given: selfspec.core.engine)."""
+
+    store: PrefixStore
+    tenant: object = None
+
+    def restore(self, ids: torch.Tensor, cache: KVCache) -> int:
+        return self.store.restore(ids, cache, self.tenant)
+
+    def add(self, tokens: list[int], cache: KVCache) -> None:
+        self.store.add(tokens, cache, self.tenant)

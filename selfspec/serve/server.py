@@ -79,8 +79,8 @@ class Server:
         either way, verification is exact, but timing can hint that a text was seen before) or
         "user" (one store per request `user` field, OpenAI's end-user id; none given: one store for
         all such requests). suffix_tokens: each suffix store's budget (None: the model's default).
-        prefix_mb: MiB of earlier requests' cache entries kept per store (scoped as the suffix
-        stores) for prompts that start with the same tokens (SelfSpecModel.keep_prefixes); 0 keeps
+        prefix_mb: MiB of earlier requests' cache entries kept in all (reused as the suffix stores
+        are scoped) for prompts that start with the same tokens (SelfSpecModel.keep_prefixes); 0 keeps
         none; None: DEFAULT_PREFIX_MB for the dtypes in PREFIX_BY_DEFAULT, else 0. Where reuse would
         not be exact (no fused layer), none are kept and the log says why."""
         if suffix_scope not in ("shared", "user"):
