@@ -88,8 +88,7 @@ class SelfSpecModel:
     _suffix: dict = field(init=False, default_factory=dict, repr=False)
     _suffix_lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
     # One prefix store, its entries by tenant (as the suffix stores): earlier generations' cache
-    # entries that a new prompt starting with the same tokens reuses (`keep_prefixes`; 0: none kept).
-    prefix_bytes: int = 0
+    # entries that a new prompt starting with the same tokens reuses (`keep_prefixes`; None: none kept).
     _prefix: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
@@ -241,10 +240,14 @@ class SelfSpecModel:
         if reason is not None:
             raise ValueError(f"{self.name} cannot reuse prefixes exactly here: {reason}")
         with self._suffix_lock:
-            self.prefix_bytes = budget_bytes
             self._prefix = PrefixStore(budget_bytes) if budget_bytes else None
         if self.adapter.step is not None:
             self.adapter.step.rowwise_prefill = budget_bytes > 0
+
+    @property
+    def prefix_bytes(self) -> int:
+        """The prefix store's budget (`keep_prefixes`), 0 where none is kept."""
+        return 0 if self._prefix is None else self._prefix.budget_bytes
 
     def prefix_store(self, tenant: str | None = None):
         """The prefix store as `tenant` sees it (None: the shared entries), or None where none is kept."""

@@ -218,13 +218,17 @@ def test_short_prefill_runs_as_fused_calls_of_16_where_bfloat16_is_emulated(arch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int4"])
-def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype):
+@pytest.mark.parametrize("n", [4, 20])
+def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n):
     """run_rows through the fused layer (several sequences' rows a call, kernels/layer.h layer_spans):
-    every row's hidden state and every cache entry it writes equal the one-sequence forward's."""
+    every row's hidden state and every cache entry it writes equal the one-sequence forward's; more
+    rows than one call takes run so while the model keeps prefixes (every forward rowwise)."""
     model = _quantized("qwen2", dtype)
+    if n > fused_layer.ROWS:
+        model.keep_prefixes(1 << 20)
     adapter = model.adapter
-    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 11, 12, 10)]
-    rows = torch.randint(0, VOCAB, (len(prompts), 4), generator=torch.Generator().manual_seed(1))
+    prompts = [torch.randint(0, VOCAB, (k,), generator=torch.Generator().manual_seed(k)) for k in (9, 14, 11, 12, 10)]
+    rows = torch.randint(0, VOCAB, (len(prompts), n), generator=torch.Generator().manual_seed(1))
 
     def prefilled():
         caches = [adapter.new_cache(40) for _ in prompts]
@@ -237,10 +241,10 @@ def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype):
     with torch.inference_mode():
         lone = [adapter.run_layers(adapter.embed(r), range(adapter.n_layers), len(p), c, rowwise=True)
                 for r, p, c in zip(rows, prompts, alone)]
-        batched = adapter.run_rows(adapter.embed(rows.flatten()).view(len(prompts), 4, -1), range(adapter.n_layers),
-                                   [len(p) for p in prompts], together)  # 20 rows: two kernel calls
+        batched = adapter.run_rows(adapter.embed(rows.flatten()).view(len(prompts), n, -1), range(adapter.n_layers),
+                                   [len(p) for p in prompts], together)  # 5 · 4 rows: two kernel calls
     for b in range(len(prompts)):
         assert torch.equal(batched[b], lone[b][0])
-        end = len(prompts[b]) + 4
+        end = len(prompts[b]) + n
         assert torch.equal(together[b].keys[:, :, :, :end], alone[b].keys[:, :, :, :end])
         assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])

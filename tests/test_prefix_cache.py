@@ -218,15 +218,6 @@ def test_batched_generations_keep_the_entries_a_prefill_would_write(arch, dtype)
         assert torch.equal(cold.cache.values[:, 0, :, :length], entry.values)
 
 
-@needs_fused
-def test_outside_the_fused_layer_a_batched_generation_keeps_only_its_prompt(monkeypatch):
-    model = _quantized("qwen2", "int4")
-    model.keep_prefixes(1 << 26)
-    monkeypatch.setattr(model.adapter, "runs_fused", lambda rows: False)  # batched verifies through PyTorch's modules
-    model.generate_batch([_ids(30, 1), _ids(35, 2)], max_new_tokens=12, method="lookup", draft_len=3)
-    assert sorted(e.tokens.numel() for e in model.prefix_stores()[0]._entries) == [30, 35]
-
-
 def test_tenants_share_one_budget_and_never_each_others_entries():
     store = PrefixStore(1 << 20, min_tokens=4)
     a, b = store.scoped("a"), store.scoped("b")

@@ -18,7 +18,7 @@ import torch
 
 from selfspec.model.adapter import ModelAdapter
 from selfspec.model.cache import KVCache
-from selfspec.model.prefix_cache import PrefixStore
+from selfspec.model.prefix_cache import Scoped
 from selfspec.core.draft import Draft, DraftContext, Drafter
 from selfspec.core.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from selfspec.core.stats import GenerationStats
@@ -62,7 +62,7 @@ def decode(
     max_new_tokens: int,
     eos_ids: frozenset[int] = frozenset(),
     stats: GenerationStats,
-    prefix: PrefixStore | None = None,
+    prefix: Scoped | None = None,
 ) -> Iterator[list[int]]:
     """Yield committed tokens, a list per round, until EOS (not yielded) or max_new_tokens.
     prefix: a store of earlier generations' cache entries to start from and add to."""
@@ -103,7 +103,7 @@ class Decoding:
         max_draft: int | None = None,
         headroom: int = 0,
         siblings: bool = True,
-        prefix: PrefixStore | None = None,
+        prefix: Scoped | None = None,
     ):
         """max_draft: cap on draft tokens per round (default the drafter's γ); headroom: cache
         positions to keep past the last committed one for a batched verify, which pads every row
@@ -113,10 +113,6 @@ class Decoding:
         this one's are added to when it ends (`remember`)."""
         self.adapter, self.drafter, self.sampling, self.stats = adapter, drafter, sampling, stats
         self.prefix = prefix
-        # Positions below this had their keys and values written by the fused layer (a prefill or
-        # a lone verify), the bits any prefill of the same tokens writes: what `remember` may keep.
-        # A batched verify outside the fused layer (verify_rows) lowers it to its start.
-        self.reusable = 1 << 62
         self.prompt_ids = prompt_ids.to(adapter.device).view(-1)
         check_length(adapter, self.prompt_ids.numel(), max_new_tokens)
         self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
@@ -215,9 +211,10 @@ class Decoding:
 
     def remember(self) -> None:
         """Add this sequence's tokens whose cache entries are valid (prompt and answer, up to the
-        pending token) and a prefill's own (up to its first batched verify) to the prefix store, once."""
+        pending token) to the prefix store, once. While a model keeps prefixes every forward runs
+        through the fused layer, so those entries are the bits a prefill of the same tokens writes."""
         if self.prefix is not None and self.cache.length:
-            self.prefix.add(self.ctx.committed[:min(self.cache.length, self.reusable)], self.cache)
+            self.prefix.add(self.ctx.committed[:self.cache.length], self.cache)
         self.prefix = None
 
     def _commit(self, tokens: list[int], drafted: int = 0, accepted: int = 0, drafter: str | None = None) -> Round:
@@ -260,9 +257,6 @@ def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]
     positions and never committed). Returns each row's logits [γ_b+1, vocab], each computed as
     that sequence's own verify would. The draft's KV of layers < k is recomputed, not reused."""
     n = max(len(d) for d in drafts) + 1
-    if not adapter.runs_fused(n):  # PyTorch's modules: keys and values not a prefill's bits from here on
-        for seq in seqs:
-            seq.reusable = min(seq.reusable, seq.start)
     rows = []
     for seq, draft in zip(seqs, drafts):
         ids = torch.cat([seq.pending, draft.tokens])

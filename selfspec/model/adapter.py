@@ -266,16 +266,17 @@ class ModelAdapter:
         """Run `layers` on rows of different sequences: h [B, n, hidden], row b at positions
         starts[b] .. starts[b]+n-1 of its own cache caches[b] (a batched verify).
 
-        Where the fused layer runs n rows, it takes the sequences together (as many a call as its
-        ROWS hold), every row's bits its one-sequence call's. Elsewhere projections and MLPs batch
+        Where the lean step runs n rows of one sequence through the fused layer (LeanStep.runs_rowwise),
+        it takes the sequences together (as many a call as its ROWS hold), every row's bits its
+        one-sequence call's. Elsewhere projections and MLPs batch
         all B·n rows; attention runs per row and per query over that row's own cache, exactly as
         `run_layers(..., rowwise=True)` does for one sequence, so every row's result is the one its
         sequence would get alone within the products' rounding.
         """
         if len(starts) != h.shape[0] or len(caches) != h.shape[0]:
             raise ValueError(f"{h.shape[0]} rows need as many starts and caches, got {len(starts)} and {len(caches)}")
-        if self.runs_fused(h.shape[1]) and not gemv.needs_grad(h):  # the lone verify's own kernel, bit for bit
-            return self.step.fused.run_rows(h, list(layers), list(starts), list(caches))
+        if self.step is not None and self.step.runs_rowwise(h.shape[1]) and not gemv.needs_grad(h):
+            return self.step.fused.run_rows(h, list(layers), list(starts), list(caches))  # the lone verify's bits
         rows = _Rows(list(starts), list(caches))
         for i in layers:
             h = self._layer(i, h, rows, None, None, True, NO_SKIP, True, NO_HOOKS)

@@ -99,11 +99,7 @@ class PrefixStore:
             self.lookups += 1
             best, length = None, 0
             for entry in self._entries:
-                if entry.tenant != tenant:
-                    continue
-                if entry.exit_layer is not None and entry.exit_layer != cache.exit_layer:
-                    continue  # its exit states are another layer's: they would not be the cache's
-                if cache.exit_layer is not None and entry.exit_layer is None:
+                if entry.tenant != tenant or not self._fits(entry, cache):
                     continue
                 n = min(_common(entry.tokens, ids), ids.numel() - 1)
                 if n > length:
@@ -152,8 +148,8 @@ class PrefixStore:
 
     @staticmethod
     def _fits(entry: _Entry, cache: KVCache) -> bool:
-        """Whether entry keeps what the cache keeps (an entry without exit states does not stand in
-        for one with them)."""
+        """Whether entry keeps what the cache keeps: the same layer's exit states, or the cache none
+        (an entry without exit states, or with another layer's, does not stand in for them)."""
         return entry.exit_layer == cache.exit_layer or cache.exit_layer is None
 
     def clear(self) -> None:

@@ -397,6 +397,11 @@ class LeanStep:
         # reuse is exact: selfspec.model.prefix_cache).
         self.rowwise_prefill = False
 
+    def runs_rowwise(self, n: int) -> bool:
+        """Whether a forward of n rows (without a gradient) runs through the fused layer, each row's
+        bits its own: up to its ROWS in one call, and, while rowwise_prefill, more in calls of ROWS."""
+        return self.fused is not None and (n <= fused_layer.ROWS or self.rowwise_prefill)
+
     def rows(self, n: int) -> int:
         """The row bucket n rows run in. More rows than any decode forward has (a prefill) run
         eagerly, unpadded: AR and speculation prefill alike, so that costs no exactness."""
@@ -416,7 +421,8 @@ class LeanStep:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
         if self.fused is not None and n <= fused_layer.ROWS and not gemv.needs_grad(h):  # no padding there
             return self.fused.run(h, layers, start, cache, skip, siblings)
-        if self.fused is not None and not siblings and (self.rowwise_prefill or _chunks_pay(h, n)):  # as verifies
+        chunked = self.runs_rowwise(n) or (self.fused is not None and _chunks_pay(h, n))
+        if chunked and not siblings and not gemv.needs_grad(h):  # in calls of ROWS, as verifies
             rows = fused_layer.ROWS
             return torch.cat([self.fused.run(h[:, i:i + rows], layers, start + i, cache, skip)
                               for i in range(0, n, rows)], dim=1)

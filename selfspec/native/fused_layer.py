@@ -96,13 +96,17 @@ class FusedLayers:
                 cache.write_exit_states(start, x)
         return x.unsqueeze(0)
 
-
     def run_rows(self, h: torch.Tensor, layers, starts: list[int], caches: list) -> torch.Tensor:
-        """h [B, n, hidden] (n <= ROWS): row b at positions starts[b].. of its own cache caches[b]
-        (a batched verify), as many sequences a call as ROWS rows hold. Each row is its sequence's
-        one-sequence call's (`run`) bit for bit (kernels/layer.h, layer_spans)."""
-        adapter, shape, op = self.adapter, self.shape, self._rows_op
+        """h [B, n, hidden]: row b at positions starts[b].. of its own cache caches[b] (a batched
+        verify), as many sequences a call as ROWS rows hold; more than ROWS rows a sequence in chunks
+        of ROWS, each through every layer before the next, as LeanStep.run chunks one sequence.
+        Each row is its sequence's one-sequence call's (`run`) bit for bit (kernels/layer.h,
+        layer_spans)."""
         b, n, hidden = h.shape
+        if n > ROWS:
+            return torch.cat([self.run_rows(h[:, i:i + ROWS], layers, [s + i for s in starts], caches)
+                              for i in range(0, n, ROWS)], dim=1)
+        adapter, shape, op = self.adapter, self.shape, self._rows_op
         per_call = max(1, ROWS // n)
         tables = adapter.rope_tables()
         out = []

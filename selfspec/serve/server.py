@@ -96,7 +96,7 @@ class Server:
         if reason is not None:
             log.warning("selfspec: prompts are prefilled whole, no prefix reuse: %s", reason)
         self.prefix_bytes = int(prefix_mb * 2**20) if reason is None else 0  # kept from `start` to `stop`
-        self._prefix_before = model.prefix_bytes
+        self._prefix_before = 0  # the model's own budget, given back at `stop`
         self.model = model
         self.name = served_name or model.name
         self.scheduler = Scheduler(model.adapter, max_batch=max_batch, max_queue=max_queue)

@@ -29,6 +29,7 @@ from selfspec.tools.hf_reference import hf_generate, reference_configs
 from selfspec.tools.memory import MIB, MemoryUse, peak_memory
 from selfspec.tools.roofline import roofline
 from selfspec.core.stats import GenerationStats
+from selfspec.model.quantize import Int4Linear
 
 
 
@@ -420,7 +421,7 @@ def _report(model, methods: list[Method], prompts: list[Prompt], args) -> dict:
     ar_step_s = 1 / ar_decode if ar_decode else (ar.total.seconds / ar.total.tokens if ar.total.tokens else None)
     setup = (
         f"model {model.name} ({model.n_layers} layers), {model.dtype_name}"
-        f"{', 4-bit head' if getattr(args, 'head_dtype', 'int8') == 'int4' else ''}, {engine}, device {args.device}; "
+        f"{', 4-bit head' if isinstance(model.adapter.lm_head, Int4Linear) else ''}, {engine}, device {args.device}; "
         f"{roofline(model.hf_model, ar_step_s).summary()} (step: our AR's seconds per token after the prefill); "
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category: {', '.join(categories)}; "
         f"{'bundled subset' if args.prompts is None else args.prompts}), first turn, chat template when the model has one, "

@@ -50,21 +50,19 @@ int selfspec_int4_gemv(const uint8_t* Q, const uint16_t* S, const uint16_t* x, c
 // The same blocks as W [N, K], float32 (or bfloat16 bits where bfloat16 != 0), each weight (q - 8) · scale + zero.
 int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, void* W, int bfloat16, long N, long K, int threads);
 
-// One decoder layer over h [n, hidden] in place (layer.h). dtype: 0 bfloat16 weights, 1 int8 weights
-// (bfloat16 activations), 2 float32 throughout, 3 4-bit blocks (quant4.h; bfloat16 activations, the
-// scales' pointers then point at each matrix's [N, K / 32, 2] scales and zeros). kc, vc: the layer's cache [kv_heads, capacity, head_dim].
-int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, long start, long window, const void* cos,
-                   const void* sin, void* kc, void* vc, long capacity, int do_attn, int do_mlp, int threads,
-                   int siblings);
 // One sequence's cache of one layer ([kv_heads, capacity, head_dim] keys and values) and the position
-// of its first row in a call (selfspec_layer_spans).
+// of its first row in a call.
 struct Span {
     void *kc, *vc;
     long capacity, start;
 };
-// The rows of nspans sequences, n / nspans each in turn, each with its own Span (a batched verify).
-int selfspec_layer_spans(const Dims* d, const Weights* w, int dtype, void* h, int n, const Span* spans, int nspans,
-                         long window, const void* cos, const void* sin, int do_attn, int do_mlp, int threads);
+// One decoder layer over h [n, hidden] in place (layer.h, `layer_spans`): the rows of nspans
+// sequences, n / nspans each in turn, each with its own Span (one sequence, or a batched verify's
+// several); siblings: one span only. dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16
+// activations), 2 float32 throughout, 3 4-bit blocks (quant4.h; bfloat16 activations, the scales'
+// pointers then point at each matrix's [N, K / 32, 2] scales and zeros).
+int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, const Span* spans, int nspans,
+                   long window, const void* cos, const void* sin, int do_attn, int do_mlp, int threads, int siblings);
 
 // The feature head's drafting step (feature.cpp). dtype: 0 bfloat16 throughout, 2 float32 throughout.
 int selfspec_feature(const FeatureDims* d, const FeatureWeights* w, int dtype, const void* previous,

@@ -252,38 +252,13 @@ static int layer_weights(const Tensor& x, const std::vector<std::optional<Tensor
     return T == at::kBFloat16 ? 0 : int8 ? 1 : int4 ? 3 : 2;
 }
 
-void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
-                 const Tensor& sin, const Tensor& keys, const Tensor& values, int64_t layer, int64_t heads,
-                 int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t start, int64_t window,
-                 bool attn, bool mlp, bool siblings) {
-    TORCH_CHECK(keys.dim() == 5, "a 5-D cache, got ", keys.sizes());
-    const auto E = x.scalar_type();
-    const int64_t nkv = keys.size(2), hd = keys.size(4);
-    Weights w{};
-    Dims d{};
-    const int dtype = layer_weights(x, weights, nkv, hd, heads, act, sandwich, qk_norm, eps, scale, w, d);
-    const int64_t n = x.size(0);
-    TORCH_CHECK(start >= 0 && window >= 0, "start and window must be >= 0, got ", start, " and ", window);
-    void* kc = cache_layer(keys, "keys", E, layer, nkv, hd);
-    void* vc = cache_layer(values, "values", E, layer, nkv, hd);
-    TORCH_CHECK(values.size(0) == keys.size(0) && values.size(3) == keys.size(3), "keys ", keys.sizes(),
-                " and values ", values.sizes(), " differ");
-    const int64_t capacity = keys.size(3);
-    TORCH_CHECK(start + n <= capacity, "positions ", start, "..", start + n - 1, " overrun the cache's ", capacity);
-    check_rope(cos, "cos", E, hd, start + n);
-    check_rope(sin, "sin", E, hd, start + n);
-    const int status = selfspec_layer(&d, &w, dtype, x.data_ptr(), (int)n, start, window, cos.data_ptr(),
-                                      sin.data_ptr(), kc, vc, capacity, attn, mlp, at::get_num_threads(), siblings);
-    TORCH_CHECK(status == 0, "the fused layer refused ", n, " rows at position ", start, " (status ", status, ")");
-}
-
-// The rows of several sequences (a batched verify): x [n, hidden] holds len(starts) sequences' rows,
-// n / len(starts) each in turn; sequence s's rows are at positions starts[s].. of its own cache
-// keys[s], values[s] (each [layers, 1, kv_heads, capacity, head_dim], capacities free).
-void fused_rows(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
-                const Tensor& sin, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
-                const std::vector<int64_t>& starts, int64_t layer, int64_t heads, int64_t act, bool sandwich,
-                bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp) {
+// The layer over x [n, hidden]: its rows are len(starts) sequences', n / len(starts) each in turn;
+// sequence s's rows at positions starts[s].. of its own cache keys[s], values[s] (each [layers, 1,
+// kv_heads, capacity, head_dim], capacities free). siblings: one sequence only (layer.h).
+static void layer_call(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
+                       const Tensor& sin, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                       const std::vector<int64_t>& starts, int64_t layer, int64_t heads, int64_t act, bool sandwich,
+                       bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp, bool siblings) {
     const int64_t spans = (int64_t)starts.size();
     TORCH_CHECK(spans >= 1 && (int64_t)keys.size() == spans && (int64_t)values.size() == spans,
                 "one cache (keys and values) per start, got ", keys.size(), ", ", values.size(), " and ", spans);
@@ -300,20 +275,39 @@ void fused_rows(const Tensor& x, const std::vector<std::optional<Tensor>>& weigh
     std::vector<Span> span(spans);
     int64_t end = 0;
     for (int64_t s = 0; s < spans; s++) {
-        TORCH_CHECK(keys[s].dim() == 5 && values[s].sizes() == keys[s].sizes(), "sequence ", s, "'s keys ",
-                    keys[s].sizes(), " and values ", values[s].sizes(), " differ or are not 5-D");
+        TORCH_CHECK(keys[s].dim() == 5 && values[s].sizes() == keys[s].sizes(), "keys ", keys[s].sizes(),
+                    " and values ", values[s].sizes(), " differ or are not 5-D");
         const int64_t capacity = keys[s].size(3);
-        TORCH_CHECK(starts[s] >= 0 && starts[s] + per <= capacity, "sequence ", s, "'s positions ", starts[s], "..",
-                    starts[s] + per - 1, " overrun its cache's ", capacity);
+        TORCH_CHECK(starts[s] >= 0 && starts[s] + per <= capacity, "positions ", starts[s], "..", starts[s] + per - 1,
+                    " overrun the cache's ", capacity);
         span[s] = Span{cache_layer(keys[s], "keys", E, layer, nkv, hd), cache_layer(values[s], "values", E, layer, nkv, hd),
                        capacity, starts[s]};
         end = std::max(end, starts[s] + per);
     }
     check_rope(cos, "cos", E, hd, end);
     check_rope(sin, "sin", E, hd, end);
-    const int status = selfspec_layer_spans(&d, &w, dtype, x.data_ptr(), (int)n, span.data(), (int)spans, window,
-                                            cos.data_ptr(), sin.data_ptr(), attn, mlp, at::get_num_threads());
-    TORCH_CHECK(status == 0, "the fused layer refused ", n, " rows of ", spans, " sequences (status ", status, ")");
+    const int status = selfspec_layer(&d, &w, dtype, x.data_ptr(), (int)n, span.data(), (int)spans, window,
+                                      cos.data_ptr(), sin.data_ptr(), attn, mlp, at::get_num_threads(), siblings);
+    TORCH_CHECK(status == 0, "the fused layer refused ", n, " rows of ", spans, " sequences from position ", starts[0],
+                " (status ", status, ")");
+}
+
+// One sequence's rows at positions start.. of its cache (layer_call).
+void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
+                 const Tensor& sin, const Tensor& keys, const Tensor& values, int64_t layer, int64_t heads,
+                 int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t start, int64_t window,
+                 bool attn, bool mlp, bool siblings) {
+    layer_call(x, weights, cos, sin, {keys}, {values}, {start}, layer, heads, act, sandwich, qk_norm, eps, scale,
+               window, attn, mlp, siblings);
+}
+
+// Several sequences' rows (a batched verify; layer_call).
+void fused_rows(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
+                const Tensor& sin, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                const std::vector<int64_t>& starts, int64_t layer, int64_t heads, int64_t act, bool sandwich,
+                bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp) {
+    layer_call(x, weights, cos, sin, keys, values, starts, layer, heads, act, sandwich, qk_norm, eps, scale, window,
+               attn, mlp, false);
 }
 
 // The feature head's drafting step (feature.cpp) over previous, embedded [1, n, hidden]: returns the
