@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -39,7 +40,9 @@ def setup_line(setup: dict) -> str:
             f"{setup['sessions']} sessions ({setup['turns']} turns) of selfspec/data/agent_sessions.jsonl, "
             f"{setup['clients']} concurrent clients, max_tokens {setup['max_tokens']} per turn, greedy, one server per "
             f"method (fresh suffix store), {setup['rounds']} round{'s' if setup['rounds'] != 1 else ''}; "
-            f"machine: {setup['cpu']}; command: {env}{setup['command']}")
+            f"machine: {setup['cpu']}{', ' + str(setup['cores']) + ' cores' if setup.get('cores') else ''}"
+            f"{', ' + str(setup['busy']) + ' other processes spinning' if setup.get('busy') else ''}; "
+            f"command: {env}{setup['command']}")
 
 
 def load_sessions(path: str | None = None) -> list[dict]:
@@ -86,8 +89,10 @@ def run_method(model, method: str, sessions: list[dict], args) -> tuple[dict, di
                                                    args.max_tokens))
         wall = time.perf_counter() - t0
         totals = app.state.server.scheduler.totals
+        gamma = model.resolve(Speculation(method)).speculation.draft_len if method != "ar" else 0
         return {"tokens": tokens, "wall_s": wall, "drafted": totals.drafted, "accepted": totals.accepted,
-                "rounds": totals.rounds}, answers
+                "rounds": totals.rounds, "gamma": gamma, "prompt_tokens": totals.prompt_tokens,
+                "reused": totals.prefix_tokens}, answers
     finally:
         server.should_exit = True
         thread.join(30)
@@ -114,7 +119,18 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="times the whole method list runs, interleaved (default 1)")
     p.add_argument("--sessions", default=None, help="a sessions JSONL file (default: the bundled agent_sessions)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="N other processes spinning on the CPU for the whole run (a machine not idle; default 0)")
     args = p.parse_args(argv)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        return _main(args, argv)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+
+
+def _main(args, argv) -> int:
     model = selfspec.load(args.model, dtype=args.dtype, progress=False)
     sessions = load_sessions(args.sessions)
     methods = args.methods.split(",")
@@ -133,25 +149,31 @@ def main(argv=None) -> int:
     rows = {}
     for method, rs in runs.items():
         tokens, wall = sum(r["tokens"] for r in rs), sum(r["wall_s"] for r in rs)
-        drafted, accepted, rounds = (sum(r[k] for r in rs) for k in ("drafted", "accepted", "rounds"))
-        rows[method] = {"tok_s": round(tokens / wall, 2), "alpha": round(accepted / drafted, 3) if drafted else None,
+        drafted, accepted, rounds, prompt, reused = (sum(r[k] for r in rs) for k in
+                                                     ("drafted", "accepted", "rounds", "prompt_tokens", "reused"))
+        rows[method] = {"tok_s": round(tokens / wall, 2), "gamma": rs[0]["gamma"],
+                        "draft_per_round": round(drafted / rounds, 2) if rounds else None,
+                        "alpha": round(accepted / drafted, 3) if drafted else None,
                         "tokens_per_round": round((accepted + rounds) / rounds, 2) if rounds else None,
+                        "prompt_reused": round(reused / prompt, 3) if prompt else None,
                         "differing_answers": differing[method]}
     base = rows[methods[0]]["tok_s"]
     for row in rows.values():
         row["x_first"] = round(row["tok_s"] / base, 2)
     setup = {"model": model.name, "dtype": model.dtype_name, "exact": model.exact, "cpu": _cpu(),
              "sessions": len(sessions), "turns": sum(len(s["turns"]) for s in sessions), "clients": args.clients,
-             "max_tokens": args.max_tokens, "rounds": args.rounds, "command": " ".join(["scripts/agent_bench.py", *(argv or sys.argv[1:])])}
+             "max_tokens": args.max_tokens, "rounds": args.rounds, "busy": args.busy, "cores": os.cpu_count(), "command": " ".join(["scripts/agent_bench.py", *(argv or sys.argv[1:])])}
     print(setup_line(setup) + "\n")
     firsts = {}
     for m in methods:
         firsts.setdefault(m.endswith("+prefix"), m)
     same = " / ".join(firsts.values())
-    print("| method | tok/s | × " + methods[0] + " | α | tokens/round | answers ≠ " + same + " |")
-    print("|---|---|---|---|---|---|")
+    print("| method | tok/s | × " + methods[0] + " | γ max | drafted/round | α | tokens/round | prompt reused | "
+          "answers ≠ " + same + " |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for method, r in rows.items():
-        print(f"| {method} | {r['tok_s']} | {r['x_first']} | {r['alpha']} | {r['tokens_per_round']} | {r['differing_answers']} |")
+        print(f"| {method} | {r['tok_s']} | {r['x_first']} | {r['gamma']} | {r['draft_per_round']} | {r['alpha']} | "
+              f"{r['tokens_per_round']} | {r['prompt_reused']} | {r['differing_answers']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": setup, "results": rows}, f, indent=2)

@@ -155,6 +155,8 @@ HEADS = [  # (model, prompts, the feature_heldout.py results file)
 ]
 AGENT = [Source("results/agent_bench/prefix_q05_int4.md", "Qwen2.5-Coder 0.5B in int4, with and without prefix reuse "
                 "(`+prefix`: `selfspec serve --prefix-cache`)", load=True),
+         Source("results/agent_bench/prefix_q05_int4_busy.md", "The same, with another process spinning on one of "
+                "the two cores", load=True),
          Source("results/agent_bench/prefix_smollm2_bf16.md", "SmolLM2 in bfloat16, with and without prefix reuse", load=True),
          Source("results/agent_bench/smollm2_bf16.md", "SmolLM2: lookup and hybrid beside suffix", load=True),
          Source("results/qwen_heads/agent_q05.md", "Qwen2.5-Coder 0.5B in int4 with its shipped head: lookup, hybrid, and suffix "

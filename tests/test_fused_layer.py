@@ -219,10 +219,11 @@ def test_short_prefill_runs_as_fused_calls_of_16_where_bfloat16_is_emulated(arch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int4"])
 @pytest.mark.parametrize("n", [4, 20])
-def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n):
+def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n, path):
     """run_rows through the fused layer (several sequences' rows a call, kernels/layer.h layer_spans):
     every row's hidden state and every cache entry it writes equal the one-sequence forward's; more
-    rows than one call takes run so while the model keeps prefixes (every forward rowwise)."""
+    rows than one call takes run so while the model keeps prefixes (every forward rowwise). On every
+    kernel path this CPU has (AVX2, AVX-512, the bfloat16 pairs)."""
     model = _quantized("qwen2", dtype)
     if n > fused_layer.ROWS:
         model.keep_prefixes(1 << 20)

@@ -43,7 +43,8 @@ DEFAULT_MAX_REQUEST_S = 600.0  # generous: SmolLM2's 2048-token context on 2 bus
 DEFAULT_STALL_S = 120.0  # /health fails when rows are active and no step has ended for this long
 DEFAULT_PREFIX_MB = 256.0  # each prefix store's budget: thousands of tokens of a small model's cache entries
 # Where prefixes are kept unless asked: 4-bit models, whose fused prefill costs about what a GEMM's
-# does (Qwen2.5-Coder 0.5B's agent sessions: plain decoding 1.25x, suffix 1.24x with reuse);
+# does (Qwen2.5-Coder 0.5B's agent sessions: plain decoding 1.19x, suffix 1.35x with reuse; 1.17x and
+# 1.30x with another process spinning);
 # in bfloat16 the fused prefill of a first-seen prompt costs 1.6-1.9x a GEMM's and reuse did not pay
 # (SmolLM2: 1.01x and 0.96x), 2-core AMD EPYC, results/agent_bench/prefix_*.
 PREFIX_BY_DEFAULT = ("int4",)
