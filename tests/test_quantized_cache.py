@@ -249,7 +249,7 @@ def test_the_embedding_is_stored_as_int8_rows_and_read_back_exactly(tmp_path, mo
 def test_a_4bit_head_is_stored_with_the_embeddings_own_int8_rows(tmp_path, monkeypatch, arch):
     from safetensors import safe_open
 
-    from selfspec.model.quantize import EMBEDDING_INT8, dequantize_blocks, dequantize_rows, int8_rows
+    from selfspec.model.quantize import EMBEDDING_INT8, block_scales, dequantize_blocks, dequantize_rows, int8_rows
 
     ckpt = _checkpoint(tmp_path / f"tiny-{arch}", arch)
     cache = tmp_path / "cache"
@@ -259,7 +259,7 @@ def test_a_4bit_head_is_stored_with_the_embeddings_own_int8_rows(tmp_path, monke
     assert isinstance(fresh.lm_head, Int4Linear) and not hasattr(fresh, EMBEDDING_INT8)
     # the head: the bfloat16 head's 4-bit groups, each weight within one step of its group
     w = dequantize_blocks(fresh.lm_head.packed, fresh.lm_head.scales_zeros)
-    step = fresh.lm_head.scales_zeros[..., 0].float().repeat_interleave(32, dim=1)
+    step = block_scales(fresh.lm_head.scales_zeros, w.shape[1] // 32)[0].repeat_interleave(32, dim=1)
     assert ((w - head_weight.float()).abs() <= step * 0.51 + head_weight.float().abs() * 2**-7).all()
     # the embedding: its own int8 rows, as the int8 head's model has them (a tied table's too)
     q, scale = int8_rows(table, table.dtype)

@@ -139,17 +139,17 @@ def weight_bytes(hf_model: torch.nn.Module) -> dict[str, int]:
 
 # -- int4 ---------------------------------------------------------------------------------------
 #
-# int4 weight-only: each decoder-layer weight as 4-bit integers in groups of INT4_GROUP inputs, one
-# bfloat16 scale and zero per group, w = (q - 8)·scale + zero, multiplied by selfspec's 4-bit kernel
-# (selfspec.native.gemv.int4_linear and the fused layer, the "blocks" layout, the default where
-# selfspec's kernels build: integer dot products with x as int8 in blocks of 32, a row's result the
-# same whatever the rows beside it, so exact mode verifies up to 16 rows unpadded) or by PyTorch's
-# own CPU kernel (`_weight_int4pack_mm_for_cpu`, the "int4pack" layout, elsewhere, or with
-# $SELFSPEC_INT4_LAYOUT=int4pack). A group of 32 with its own minimum and step is exactly
-# the grid of GGUF's Q4_1 blocks, which is what the bundled SmolLM2's layers are stored as, so the
-# int4 model is the GGUF model up to bfloat16 rounding of each block's step and minimum. The LM
-# head goes int8 (one scale per row; the GGUF keeps it 8-bit too), and so do the embedding's rows
-# (looked up in bfloat16).
+# int4 weight-only: each decoder-layer weight as 4-bit integers in groups of INT4_GROUP inputs,
+# multiplied by selfspec's 4-bit kernel (selfspec.native.gemv.int4_linear and the fused layer, the
+# "blocks" layout, the default where selfspec's kernels build: integer dot products with x as int8 in
+# blocks of 32, a row's result the same whatever the rows beside it, so exact mode verifies up to 16
+# rows unpadded) or by PyTorch's own CPU kernel (`_weight_int4pack_mm_for_cpu`, the "int4pack"
+# layout, elsewhere, or with $SELFSPEC_INT4_LAYOUT=int4pack). The blocks layout keeps llama.cpp's
+# Q4_K idea: a block of 32 is w = q · scale - minimum, its scale and minimum 8-bit codes on
+# bfloat16 steps shared by the 16 blocks of a group (pack_scales), 4.59 bits a weight (GGUF Q4_1's
+# grid, a bfloat16 scale and zero a block, is 5; Q4_K's is 4.5). The LM head goes int8 (one scale per row;
+# the GGUF keeps it at 6 bits) unless asked for in 4 bits, and so do the embedding's rows (looked up
+# in bfloat16).
 #
 # PyTorch's packing is not separable by output rows, so projections that read the same input
 # (q, k, v; gate, up) are quantized as one fused matrix. The HF modules become slices of it: the
@@ -168,15 +168,16 @@ def default_int4_layout() -> str:
 
 
 class Int4Linear(torch.nn.Module):
-    """y = x · Wᵀ (+ bias), W [out, in] as 4-bit groups of 32 with a bfloat16 scale and zero each,
-    in one of two layouts (`layout`):
+    """y = x · Wᵀ (+ bias), W [out, in] as 4-bit groups of 32, in one of two layouts (`layout`):
 
     "blocks": packed [out, in / 32, 16] uint8 (a row's blocks interleaved in groups of 16:
-    to_groups) and scales_zeros [out, in / 32, 2], selfspec's 4-bit product kernel's
-    (selfspec.native.gemv.int4_linear), where that kernel runs; decode forwards of up to
-    gemv.MAX_ROWS rows stream them once, prefills dequantize them for a GEMM.
-    "int4pack": packed [out, in / 2] uint8 and scales_zeros [in / 32, out, 2], PyTorch's
-    `_weight_int4pack_mm_for_cpu`'s, elsewhere. Both hold the same weights."""
+    to_groups) and scales_zeros [out, groups, RECORD] uint8, each group's scale and minimum codes
+    and steps (pack_scales), selfspec's 4-bit product kernel's (selfspec.native.gemv.int4_linear),
+    where that kernel runs; decode forwards of up to gemv.MAX_ROWS rows stream them once, prefills
+    dequantize them for a GEMM.
+    "int4pack": packed [out, in / 2] uint8 and scales_zeros [in / 32, out, 2] bfloat16 (a scale and
+    zero a block), PyTorch's `_weight_int4pack_mm_for_cpu`'s, elsewhere. The two round a block's
+    scale differently, so they hold near but not equal weights."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -203,20 +204,20 @@ class Int4Linear(torch.nn.Module):
         if layout is None:
             layout = default_int4_layout() if group == 32 else "int4pack"
         g = w.detach().float().view(out, inp // group, group)
-        low, high = g.amin(-1), g.amax(-1)
-        scale = ((high - low) / 15).clamp(min=1e-8).to(dtype)
-        zero = (low + 8 * scale.float()).to(dtype)  # (0 - 8)·scale + zero = the group's minimum
-        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15).to(torch.uint8)
         bias = None if bias is None else bias.detach().to(dtype)
         if layout == "blocks":
             if group != 32:
                 raise ValueError(f"the blocks layout takes groups of 32, not {group}")
-            # byte i of a block: element i in the low nibble, element i + 16 in the high one (GGUF Q4_1's
+            q, sz = quantize_blocks(g)
+            # byte i of a block: element i in the low nibble, element i + 16 in the high one (GGUF's
             # order), then a row's blocks interleaved in groups for the kernel (to_groups)
-            return cls(to_groups(q[..., :16] | (q[..., 16:] << 4)), torch.stack([scale, zero], dim=-1).contiguous(),
-                       bias)
+            return cls(to_groups(q[..., :16] | (q[..., 16:] << 4)), sz, bias)
         if layout != "int4pack":
             raise ValueError(f"layout must be 'blocks' or 'int4pack', got {layout!r}")
+        low, high = g.amin(-1), g.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-8).to(dtype)
+        zero = (low + 8 * scale.float()).to(dtype)  # (0 - 8)·scale + zero = the group's minimum
+        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15).to(torch.uint8)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32).contiguous(), 1)
         scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
         return cls(packed, scales_zeros, bias)
@@ -225,7 +226,7 @@ class Int4Linear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] (a new tensor: for pruned heads and checks, not decoding)."""
         if self.layout == "blocks":
-            return dequantize_blocks(self.packed, self.scales_zeros).to(self.scales_zeros.dtype)
+            return dequantize_blocks(self.packed, self.scales_zeros).to(ACTIVATION_DTYPE)  # the blocks run bfloat16 activations
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.packed.device)
         return int4_linear(eye, self.packed, self.scales_zeros).t().contiguous()
 
@@ -258,6 +259,80 @@ class Int4Slice(torch.nn.Module):
 
 
 GROUP = 16  # blocks a group of the blocks layout (kernels/quant4.h)
+RECORD = 2 * GROUP + 6  # bytes of a group's scales: 16 scale codes, 16 minimum codes, three bfloat16s
+
+
+def pack_scales(scale_codes: torch.Tensor, min_codes: torch.Tensor, scale_step: torch.Tensor,
+                min_step: torch.Tensor, min_base: torch.Tensor) -> torch.Tensor:
+    """The blocks layout's scales [out, groups, RECORD] uint8 (kernels/quant4.h): per group of GROUP
+    blocks, each block's scale code, then each one's minimum code (uint8 [out, blocks]; a part-filled
+    last group's codes padded with zeros), then the group's scale step, minimum step and minimum base
+    (bfloat16 [out, groups]): a block's scale is its code times the scale step, its minimum its code
+    times the minimum step plus the base."""
+    out, blocks = scale_codes.shape
+    groups = -(-blocks // GROUP)
+    pad = groups * GROUP - blocks
+
+    def codes(c):
+        return torch.nn.functional.pad(c.to(torch.uint8), (0, pad)).view(out, groups, GROUP)
+
+    steps = torch.stack([scale_step, min_step, min_base], -1).to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat([codes(scale_codes), codes(min_codes), steps.view(out, groups, 6)], -1).contiguous()
+
+
+def block_scales(sz: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's (scale, minimum), float32 [out, blocks], from pack_scales' records: the scale
+    exact (an 8-bit code times a bfloat16 has at most 16 significant bits), the minimum that exact
+    product plus the base, rounded once (as the kernels' one FMA)."""
+    out, groups, _ = sz.shape
+    steps = sz[..., 2 * GROUP:].contiguous().view(torch.bfloat16).float()  # [out, groups, 3]
+
+    def per_block(codes, value):
+        return value.repeat_interleave(GROUP, 1)[:, :blocks] if codes is None else \
+            codes.reshape(out, -1)[:, :blocks].float() * per_block(None, value)
+
+    scale = per_block(sz[..., :GROUP], steps[..., 0])
+    return scale, per_block(sz[..., GROUP:2 * GROUP], steps[..., 1]) + per_block(None, steps[..., 2])
+
+
+def _bfloat16_up(v: torch.Tensor) -> torch.Tensor:
+    """v (float32) rounded up to a bfloat16 (toward +inf)."""
+    b = v.to(torch.bfloat16)
+    return torch.where(b.float() < v, (v + v.abs() / 256).to(torch.bfloat16), b)
+
+
+def _bfloat16_down(v: torch.Tensor) -> torch.Tensor:
+    """v (float32) rounded down to a bfloat16 (toward -inf)."""
+    return -_bfloat16_up(-v)
+
+
+def quantize_blocks(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [out, blocks, 32] (float32) to 4-bit codes q [out, blocks, 32] uint8 and pack_scales'
+    records: a block's grid runs from its minimum to its maximum in 15 steps; its scale becomes an
+    8-bit code of its group's largest scale over 255 (1..255), its minimum an 8-bit code over the
+    group's span of minimums (steps rounded up and the base down to bfloat16, so codes stay in
+    range), and q is rounded against the coded scale and minimum."""
+    out, blocks, _ = g.shape
+    groups = -(-blocks // GROUP)
+    low = g.amin(-1)
+    scale, minimum = (g.amax(-1) - low) / 15, -low
+
+    def per_group(v, pad, reduce):  # [out, blocks] -> [out, groups], a part-filled group padded
+        return reduce(torch.nn.functional.pad(v, (0, groups * GROUP - blocks), value=pad).view(out, groups, GROUP), -1)
+
+    def per_block(v):
+        return v.float().repeat_interleave(GROUP, 1)[:, :blocks]
+
+    scale_step = _bfloat16_up(per_group(scale, 0.0, torch.amax) / 255).clamp(min=1e-30)
+    min_base = _bfloat16_down(per_group(minimum, float("inf"), torch.amin))
+    min_step = _bfloat16_up((per_group(minimum, float("-inf"), torch.amax) - min_base.float()) / 255)
+    sc = torch.round(scale / per_block(scale_step)).clamp(1, 255)
+    spread = per_block(min_step)
+    mn = torch.where(spread > 0, torch.round((minimum - per_block(min_base)) / torch.where(spread > 0, spread, 1)), 0)
+    sz = pack_scales(sc, mn.clamp(0, 255), scale_step, min_step, min_base)
+    s, m = block_scales(sz, blocks)
+    q = torch.round((g + m[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8)
+    return q, sz
 
 
 @functools.cache
@@ -290,11 +365,12 @@ def from_groups(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_blocks(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """The reference for the blocks layout: W [out, in] float32, w = (q - 8) · scale + zero."""
+    """The reference for the blocks layout: W [out, in] float32, w = q · scale - minimum (q · scale
+    is exact in float32, so this rounds once, as the kernels' one FMA)."""
     packed = from_groups(packed)
-    q = torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8  # [out, in / 32, 32]
-    sz = scales_zeros.float()
-    return (q * sz[..., :1] + sz[..., 1:]).flatten(1)
+    q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [out, in / 32, 32]
+    scale, minimum = block_scales(scales_zeros, packed.shape[1])
+    return (q * scale[..., None] - minimum[..., None]).flatten(1)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None,
@@ -396,7 +472,7 @@ def float_weight(linear: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
         return (weight.float() * scale.float()[:, None]).to(linear.scale.dtype)
     if isinstance(linear, Int4Linear) and linear.layout == "blocks":
         packed, sz = linear.packed.index_select(0, rows), linear.scales_zeros.index_select(0, rows)
-        return dequantize_blocks(packed, sz).to(sz.dtype)
+        return dequantize_blocks(packed, sz).to(ACTIVATION_DTYPE)
     if isinstance(linear, Int4Linear):
         return linear.weight.index_select(0, rows)
     return linear.weight.detach().index_select(0, rows)

@@ -270,9 +270,9 @@ def _(x, w, bias, scale):
 #
 # W [out, in] as blocks of 32 inputs, q [out, in / 32, 16] uint8 (each block's 16 bytes holding
 # element i in the low nibble of byte i and i + 16 in its high one, a row's blocks interleaved in
-# groups of 16 so each block has its own 32-bit lane: quantize.to_groups) and sz [out, in / 32, 2]
-# bfloat16 (scale, zero), w = (q - 8) · scale + zero: GGUF Q4_1's grid, laid out by
-# selfspec.model.quantize. The product unpacks each group once into registers for every row of a
+# groups of 16 so each block has its own 32-bit lane: quantize.to_groups) and sz [out, groups, 38]
+# uint8, each group's scale and minimum codes, steps and base (quantize.pack_scales), w = q ·
+# scale - minimum, laid out by selfspec.model.quantize. The product unpacks each group once into registers for every row of a
 # pass (eight rows on AVX-512, four on AVX2); each row's result is the same whatever the row count
 # (one fixed order per row, as above).
 
@@ -289,8 +289,8 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.
 
 
 def int4_dequantize(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W [out, in] float32 (or bfloat16, each value rounded once) from its 4-bit blocks: (q - 8) ·
-    scale + zero."""
+    """W [out, in] float32 (or bfloat16, each value rounded once) from its 4-bit blocks: q · scale -
+    minimum."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the 4-bit blocks dequantize to float32 or bfloat16, not {dtype}")
     return _STATE["lib"].int4_dequantize.default(q, sz, dtype == torch.bfloat16)

@@ -43,12 +43,16 @@ int selfspec_gemv_bf16(const uint16_t* W, const uint16_t* x, const uint16_t* bia
 int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x, const uint16_t* bias, uint16_t* y,
                        long N, long K, int R, int R_out, int threads, float* scratch);
 
+// 4-bit blocks (quant4.h): blocks of 32 inputs in groups of 16, each group's scales a record of 38 bytes.
+constexpr long INT4_GROUP = 16, INT4_RECORD = 2 * INT4_GROUP + 6;
+static inline long int4_groups(long K) { return (K / 32 + INT4_GROUP - 1) / INT4_GROUP; }
+
 // y [R_out, N] = x [R, K] · Wᵀ (+ bias [N]) for W as 4-bit blocks of 32 (quant4.h: Q [N, K / 32, 16] nibbles,
-// S [N, K / 32, 2] bfloat16 scale and zero); bfloat16 x, bias and y.
-int selfspec_int4_gemv(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* y,
+// S [N, int4_groups(K), INT4_RECORD] scale and minimum codes and steps); bfloat16 x, bias and y.
+int selfspec_int4_gemv(const uint8_t* Q, const uint8_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* y,
                        long N, long K, int R, int R_out, int threads);
-// The same blocks as W [N, K], float32 (or bfloat16 bits where bfloat16 != 0), each weight (q - 8) · scale + zero.
-int selfspec_int4_dequantize(const uint8_t* Q, const uint16_t* S, void* W, int bfloat16, long N, long K, int threads);
+// The same blocks as W [N, K], float32 (or bfloat16 bits where bfloat16 != 0), each weight q · scale - minimum.
+int selfspec_int4_dequantize(const uint8_t* Q, const uint8_t* S, void* W, int bfloat16, long N, long K, int threads);
 
 // One sequence's cache of one layer ([kv_heads, capacity, head_dim] keys and values) and the position
 // of its first row in a call.
@@ -60,7 +64,7 @@ struct Span {
 // sequences, n / nspans each in turn, each with its own Span (one sequence, or a batched verify's
 // several); siblings: one span only. dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16
 // activations), 2 float32 throughout, 3 4-bit blocks (quant4.h; bfloat16 activations, the scales'
-// pointers then point at each matrix's [N, K / 32, 2] scales and zeros).
+// pointers then point at each matrix's quant4.h scales, [N, groups, 38] bytes).
 int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, const Span* spans, int nspans,
                    long window, const void* cos, const void* sin, int do_attn, int do_mlp, int threads, int siblings);
 

@@ -76,12 +76,12 @@ static void residual(E* h, const E* a, long dim) {
     for (long i = 0; i < dim; i += 8) store8f(h + i, _mm256_add_ps(load8f(h + i), load8f(a + i)));
 }
 
-// y [n, N] = x [n, K] · Wᵀ (product.h; 4-bit blocks, T = uint8_t: quant4.h, `scale` their scales and zeros).
+// y [n, N] = x [n, K] · Wᵀ (product.h; 4-bit blocks, T = uint8_t: quant4.h, `scale` pointing at their scales).
 template <typename T, typename E>
 static void linear(const void* W, const E* x, const uint16_t* scale, const void* bias, E* y, long N, long K, int n,
                    int threads, float* X) {
     if constexpr (std::is_same_v<T, uint8_t>)
-        int4::product((const uint8_t*)W, scale, x, (const uint16_t*)bias, y, N, K, n, n, threads);
+        int4::product((const uint8_t*)W, (const uint8_t*)scale, x, (const uint16_t*)bias, y, N, K, n, n, threads);
     else
         product<T, E>((const T*)W, x, scale, (const E*)bias, y, N, K, n, n, threads, X);
 }

@@ -119,12 +119,17 @@ Tensor gemv(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
     return y;
 }
 
-// W as 4-bit blocks of 32 (quant4.h): q [N, K / 32, 16] uint8, sz [N, K / 32, 2] bfloat16 (scale, zero).
+// The scales of 4-bit blocks of an [N, K] matrix (quant4.h): [N, groups of 16 blocks, RECORD] uint8.
+void check_int4_scales(const Tensor& sz, const char* name, int64_t N, int64_t K) {
+    check(sz, name, at::kByte, {N, int4_groups(K), INT4_RECORD});
+}
+
+// W as 4-bit blocks of 32 (quant4.h): q [N, K / 32, 16] uint8 and its scales sz.
 void check_int4(const Tensor& q, const Tensor& sz, int64_t K) {
     TORCH_CHECK(q.dim() == 3 && q.size(2) == 16, "q must be [out, in / 32, 16] (4-bit blocks of 32), got ", q.sizes());
     TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 32, "q's ", q.size(1), " blocks of 32 do not cover ", K, " inputs");
     check(q, "q", at::kByte, {-1, K / 32, 16});
-    check(sz, "sz (each block's scale and zero)", at::kBFloat16, {q.size(0), K / 32, 2});
+    check_int4_scales(sz, "sz (each group's scale and minimum codes and steps)", q.size(0), K);
 }
 
 Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias,
@@ -138,7 +143,7 @@ Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::
     const int64_t N = q.size(0);
     const void* b = optional_ptr(bias, bias.has_value(), "bias", at::kBFloat16, {N});
     Tensor y = at::empty({R_out, N}, x.options());
-    const int status = selfspec_int4_gemv((const uint8_t*)q.data_ptr(), (const uint16_t*)sz.data_ptr(),
+    const int status = selfspec_int4_gemv((const uint8_t*)q.data_ptr(), (const uint8_t*)sz.data_ptr(),
                                           (const uint16_t*)x.data_ptr(), (const uint16_t*)b, (uint16_t*)y.data_ptr(),
                                           N, K, (int)R, (int)R_out, at::get_num_threads());
     TORCH_CHECK(status == 0, "the 4-bit product kernel refused ", R, " rows (status ", status, ")");
@@ -150,7 +155,7 @@ Tensor int4_dequantize(const Tensor& q, const Tensor& sz, bool bfloat16) {
     const int64_t N = q.size(0), K = q.size(1) * 32;
     check_int4(q, sz, K);
     Tensor w = at::empty({N, K}, q.options().dtype(bfloat16 ? at::kBFloat16 : at::kFloat));
-    const int status = selfspec_int4_dequantize((const uint8_t*)q.data_ptr(), (const uint16_t*)sz.data_ptr(),
+    const int status = selfspec_int4_dequantize((const uint8_t*)q.data_ptr(), (const uint8_t*)sz.data_ptr(),
                                                 w.data_ptr(), bfloat16, N, K, at::get_num_threads());
     TORCH_CHECK(status == 0, "the 4-bit dequantizer refused a ", N, "x", K, " matrix (status ", status, ")");
     return w;
@@ -179,7 +184,7 @@ Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const st
         const int64_t rows = std::min(tile, N - j);
         Tensor w = buffer.narrow(0, 0, rows);
         const int status = selfspec_int4_dequantize((const uint8_t*)q.data_ptr() + j * (K / 32) * 16,
-                                                    (const uint16_t*)sz.data_ptr() + j * (K / 32) * 2, w.data_ptr(),
+                                                    (const uint8_t*)sz.data_ptr() + j * int4_groups(K) * INT4_RECORD, w.data_ptr(),
                                                     bf16, rows, K, at::get_num_threads());
         TORCH_CHECK(status == 0, "the 4-bit dequantizer refused a ", rows, "x", K, " tile (status ", status, ")");
         Tensor part = bias.has_value() ? at::addmm(bias->narrow(0, j, rows), x, w.t()) : at::mm(x, w.t());
@@ -219,7 +224,7 @@ static int layer_weights(const Tensor& x, const std::vector<std::optional<Tensor
     if (int4) {
         TORCH_CHECK(H % 32 == 0 && qdim % 32 == 0 && I % 32 == 0, "4-bit blocks of 32 need hidden ", H, ", ", qdim,
                     " and MLP ", I, " sizes that are multiples of 32");
-        // (weight, its scales and zeros, output rows, inputs): the blocks [N, K / 32, 16], the scales [N, K / 32, 2]
+        // (weight, its scales, output rows, inputs): the blocks [N, K / 32, 16], the scales [N, groups, RECORD]
         const Tensor* ws[] = {&wqkv, &wo, &wgu, &wd};
         const int64_t sizes[][2] = {{qkv_dim, H}, {H, qdim}, {2 * I, H}, {H, I}};
         const char* names[] = {"wqkv", "wo", "wgu", "wd"};
@@ -227,8 +232,9 @@ static int layer_weights(const Tensor& x, const std::vector<std::optional<Tensor
         const uint16_t** scales[] = {&w.sqkv, &w.so, &w.sgu, &w.sd};
         for (int i = 0; i < 4; i++) {
             check(*ws[i], names[i], T, {sizes[i][0], sizes[i][1] / 32, 16});
-            *scales[i] = (const uint16_t*)optional_ptr(weights[5 + i], true, scale_names[i], at::kBFloat16,
-                                                       {sizes[i][0], sizes[i][1] / 32, 2});
+            TORCH_CHECK(weights[5 + i].has_value(), scale_names[i], " is missing");
+            check_int4_scales(*weights[5 + i], scale_names[i], sizes[i][0], sizes[i][1]);
+            *scales[i] = (const uint16_t*)weights[5 + i]->data_ptr();  // quant4.h's records, read as bytes
         }
     } else {
         check(wqkv, "wqkv", T, {qkv_dim, H});

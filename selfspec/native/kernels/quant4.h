@@ -2,26 +2,28 @@
 // layers of the fused layer; see selfspec/native/gemv.py and selfspec/model/quantize.py, which lays
 // the blocks out).
 //
-// W [N, K] as blocks of 32 inputs: S [N, K / 32, 2] bfloat16, each block's (scale, zero): w = (q -
-// 8) · scale + zero, q in 0..15 (GGUF Q4_1's grid); Q [N, K / 32, 16] uint8, the nibbles, a row's
-// blocks in groups of GROUP = 16 (the last group of a row may hold fewer, g): a group's 16 g bytes
-// are four slices of 4 g bytes, slice k holding 4 bytes of each block in turn, byte p of block l's
-// holding its element 4k + p in the low nibble and 16 + 4k + p in the high one. So one 32-bit lane
-// of a 64-byte slice belongs to one block, and a group's four slices give each of its blocks its
-// own lane. x [R, K] bfloat16, R in 1..16; y [R_out, N] bfloat16 (rows past R copy row R - 1).
+// W [N, K] as blocks of 32 inputs, w = q · scale - minimum, q in 0..15, a row's blocks in groups of
+// GROUP = 16 (the last group of a row may hold fewer, g). Q [N, K / 32, 16] uint8, the nibbles: a
+// group's 16 g bytes are four slices of 4 g bytes, slice k holding 4 bytes of each block in turn,
+// byte p of block l's holding its element 4k + p in the low nibble and 16 + 4k + p in the high one.
+// So one 32-bit lane of a 64-byte slice belongs to one block, and a group's four slices give each
+// of its blocks its own lane. S [N, groups, RECORD] uint8, a group's scales (llama.cpp's Q4_K idea,
+// with 8-bit codes): 16 scale codes, 16 minimum codes (one a block; a part-filled group's padded
+// with zeros), then three bfloat16s: the scale step, the minimum step and the minimum base. A
+// block's scale is its code times the scale step (exact in float32: 16 significant bits at most),
+// its minimum its code times the minimum step (exact) plus the base, rounded once. So a weight costs
+// 4 + 38 · 8 / 512 = 4.59 bits (GGUF Q4_1's bfloat16-per-block grid cost 5). x [R, K]
+// bfloat16, R in 1..16; y [R_out, N] bfloat16 (rows past R copy row R - 1).
 //
-// Why: a decode step streams its weights once, so its time is their bytes over the memory's rate;
-// at 5 bits a weight (4 + 32 bits of scale and zero a block) the bytes are under a third of
-// bfloat16's, provided the arithmetic keeps up. It does by integer dot products, as llama.cpp's
-// 4-bit products do: each row of x is quantized to int8 in blocks of 32 (xq = round(x / dx), dx =
-// the block's max |x| / 127), and a block's nibbles times xq sum exactly in int32 (AVX512-VNNI's
-// vpdpbusd; AVX2's vpmaddubsw elsewhere); the block's sum of w · x is then
-//   dx · scale · (Σ q · xq - 8 Σ xq)  +  zero · dx · Σ xq,
-// the integer bracket exact (it starts at -8 Σ xq). Because each block has its own lane, a row's
-// float work is one convert, one multiply and two FMAs per 16 blocks (a group), shared by its
-// eight vpdpbusd (it was one of each per four blocks, with blocks side by side in a vector): the
-// many-row products a verify runs are bound by that arithmetic (2-core AMD EPYC, Qwen2.5-Coder
-// 1.5B's four layer products in cache: 4 rows 1.44 -> 1.02 ms, 8 rows 2.94 -> 1.97 ms).
+// Why: a decode step streams its weights once, so its time is their bytes over the memory's rate,
+// provided the arithmetic keeps up. It does by integer dot products, as llama.cpp's 4-bit products
+// do: each row of x is quantized to int8 in blocks of 32 (xq = round(x / dx), dx = the block's max
+// |x| / 127), and a block's nibbles times xq sum exactly in int32 (AVX512-VNNI's vpdpbusd; AVX2's
+// vpmaddubsw elsewhere); the block's sum of w · x is then
+//   dx · scale · Σ q · xq  -  minimum · dx · Σ xq,
+// the integer sum exact. Because each block has its own lane, a row's float work is one convert,
+// one multiply and two FMAs per 16 blocks (a group), shared by its eight vpdpbusd: the many-row
+// products a verify runs are bound by that arithmetic.
 //
 // Exactness: a row's int8 quantization depends on that row alone, its integer sums are exact, and
 // its float sums run in one fixed order (per lane, in group order; lanes added as product.h's
@@ -32,32 +34,37 @@
 #pragma once
 #include <vector>
 
+#include "entry.h"
 #include "product.h"
 
 namespace int4 {
 
 constexpr int BLOCK = 32;
-constexpr int GROUP = 16;       // blocks a group: one 32-bit lane each
-constexpr int Q_AHEAD = 2048;   // bytes of nibbles (and a quarter as many of scales) prefetched ahead
-constexpr int Q_FAR = 8192;     // and, for one or two rows, further ahead into L2
+constexpr int GROUP = INT4_GROUP;    // blocks a group: one 32-bit lane each
+constexpr int RECORD = INT4_RECORD;  // bytes of a group's scales: codes, then two bfloat16 steps
+constexpr int Q_AHEAD = 2048;   // bytes of nibbles (and an eighth as many of scales) prefetched ahead
+constexpr int Q_FAR = 16384;    // and, for one or two rows, further ahead into L2 (8192: 1.2x the time)
 
-static inline long groups_of(long K) { return (K / BLOCK + GROUP - 1) / GROUP; }
+static inline long groups_of(long K) { return int4_groups(K); }
 static inline int group_size(long nb, long gi) { return (int)std::min<long>(GROUP, nb - gi * GROUP); }
+
+// A group's record: its scale codes, minimum codes and the two steps.
+static inline float scale_step(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP, 2); return bf16_to_float(v); }
+static inline float min_step(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP + 2, 2); return bf16_to_float(v); }
+static inline float min_base(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP + 4, 2); return bf16_to_float(v); }
 
 // One row of x, prepared: per group of 16 blocks (the last one zero-padded), PREPARED_BYTES bytes:
 // xs [8][64] int8, xs[2k] lane l holding block l's xq elements 4k..4k+3 and xs[2k + 1] its 16 + 4k..,
-// matching Q's slices; then init [16] int32 (-8 Σ xq of block l), d [16] float (its dx) and dt [16]
-// float (dx · Σ xq).
-static constexpr long PREPARED_BYTES = 8 * 64 + 3 * 64;  // xs, then init, d and dt (16 four-byte lanes each)
+// matching Q's slices; then d [16] float (block l's dx) and dt [16] float (dx · Σ xq).
+static constexpr long PREPARED_BYTES = 8 * 64 + 2 * 64;  // xs, then d and dt (16 four-byte lanes each)
 
 struct Prepared {
     long groups;
     const uint8_t* base;
     const uint8_t* group(long gi) const { return base + gi * PREPARED_BYTES; }
     const int8_t* xs(long gi, int s) const { return (const int8_t*)(group(gi) + 64 * s); }
-    const int32_t* init(long gi) const { return (const int32_t*)(group(gi) + 8 * 64); }
-    const float* d(long gi) const { return (const float*)(group(gi) + 9 * 64); }
-    const float* dt(long gi) const { return (const float*)(group(gi) + 10 * 64); }
+    const float* d(long gi) const { return (const float*)(group(gi) + 8 * 64); }
+    const float* dt(long gi) const { return (const float*)(group(gi) + 9 * 64); }
 };
 
 // Row x [K] (bfloat16 bits) into `out` (groups_of(K) · PREPARED_BYTES bytes), eight elements a
@@ -105,7 +112,6 @@ static Prepared prepare(const uint16_t* x, long K, uint8_t* out) {
             memcpy((int8_t*)P.xs(gi, 2 * k) + 4 * l, w + k, 4);
             memcpy((int8_t*)P.xs(gi, 2 * k + 1) + 4 * l, w + 4 + k, 4);
         }
-        ((int32_t*)P.init(gi))[l] = -8 * sum;
         ((float*)P.d(gi))[l] = dx;
         ((float*)P.dt(gi))[l] = dx * (float)sum;
     }
@@ -119,78 +125,64 @@ constexpr const char* PATH = "avx512-vnni";
 
 constexpr int STATE = 32;  // floats of a row's sums per output (dot and off, 16 lanes each)
 
-// Groups ga..gb-1 of output rows j .. j + J - 1 for R prepared rows, added to their sums in `state`
-// (output j + u, row r at (u · R + r) · STATE); J > 1 interleaves output rows, each row's x loaded
-// once for them, so a pass of one or two rows has enough independent chains and fewer loads.
-template <int R, int J>
-static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, float* state, long j, long K,
+// Groups ga..gb-1 of output row j for R prepared rows, added to their sums in `state` (row r at
+// r · STATE). One output row at a time: interleaving two or four (each row's x loaded once for
+// them) measured slower, 1.2x the time for one row on a 2-core AMD EPYC (Qwen2.5-Coder 1.5B's
+// layer shapes, 750 MB of blocks), the prefetches of one stream doing better than four.
+template <int R>
+static inline void rows(const uint8_t* Q, const uint8_t* S, const Prepared* X, float* state, long j, long K,
                         long ga, long gb, const uint16_t* bias, uint16_t* Y, long N) {
-    const long nb = K / BLOCK;
-    const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 dot[J][R], off[J][R];  // per lane: dx · scale · bracket, and zero · dx · Σ xq
-    for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) {
-            dot[u][r] = ga ? _mm512_loadu_ps(state + (u * R + r) * STATE) : _mm512_setzero_ps();
-            off[u][r] = ga ? _mm512_loadu_ps(state + (u * R + r) * STATE + 16) : _mm512_setzero_ps();
-        }
+    const long nb = K / BLOCK, G = groups_of(K);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 dot[R], off[R];  // per lane: dx · scale · Σ q · xq, and minimum · dx · Σ xq
+    for (int r = 0; r < R; r++) {
+        dot[r] = ga ? _mm512_loadu_ps(state + r * STATE) : _mm512_setzero_ps();
+        off[r] = ga ? _mm512_loadu_ps(state + r * STATE + 16) : _mm512_setzero_ps();
+    }
     for (long gi = ga; gi < gb; gi++) {
-        const long b0 = gi * GROUP;
         const int g = group_size(nb, gi);
         const __mmask16 mask = g == GROUP ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
-        const uint8_t* q[J];
-        const uint16_t* s[J];
-        for (int u = 0; u < J; u++) {
-            const long blk = (j + u) * nb + b0;
-            q[u] = Q + blk * 16;
-            s[u] = S + 2 * blk;
-            for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)q[u] + Q_AHEAD + line, _MM_HINT_T0);
-            _mm_prefetch((const char*)s[u] + Q_AHEAD / 4, _MM_HINT_T0);
-            if constexpr (R <= 2) {  // memory-bound passes: more in flight
-                for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)q[u] + Q_FAR + line, _MM_HINT_T1);
-                _mm_prefetch((const char*)s[u] + Q_FAR / 4, _MM_HINT_T1);
-            }
+        const uint8_t* q = Q + (j * nb + gi * GROUP) * 16;
+        const uint8_t* s = S + (j * G + gi) * RECORD;
+        for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)q + Q_AHEAD + line, _MM_HINT_T0);
+        _mm_prefetch((const char*)s + Q_AHEAD / 8, _MM_HINT_T0);
+        if constexpr (R <= 2) {  // memory-bound passes: more in flight
+            for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)q + Q_FAR + line, _MM_HINT_T1);
+            _mm_prefetch((const char*)s + Q_FAR / 8, _MM_HINT_T1);
         }
-        // each row's int8 x loaded once for the J output rows
-        __m512i acc[J][R];
-        for (int r = 0; r < R; r++) {
-            const __m512i init = _mm512_loadu_si512(X[r].init(gi));
-            for (int u = 0; u < J; u++) acc[u][r] = init;
-        }
+        __m512i acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         for (int k = 0; k < 4; k++) {
-            __m512i lo[J], hi[J];
-            for (int u = 0; u < J; u++) {
-                const __m512i v = _mm512_maskz_loadu_epi32(mask, q[u] + 4 * g * k);
-                lo[u] = _mm512_and_si512(v, low4), hi[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            }
+            const __m512i v = _mm512_maskz_loadu_epi32(mask, q + 4 * g * k);
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             for (int r = 0; r < R; r++) {
                 const __m512i xl = _mm512_loadu_si512(X[r].xs(gi, 2 * k));
                 const __m512i xh = _mm512_loadu_si512(X[r].xs(gi, 2 * k + 1));
-                for (int u = 0; u < J; u++)
-                    acc[u][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[u][r], lo[u], xl), hi[u], xh);
+                acc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r], lo, xl), hi, xh);
             }
         }
-        for (int u = 0; u < J; u++) {
-            const __m512i sz = _mm512_maskz_loadu_epi32(mask, s[u]);  // lane l: (scale, zero) of block l
-            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz, high16));
-            for (int r = 0; r < R; r++) {
-                const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[r].d(gi)));
-                dot[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u][r]), step, dot[u][r]);
-                off[u][r] = _mm512_fmadd_ps(zero, _mm512_loadu_ps(X[r].dt(gi)), off[u][r]);
-            }
+        // lane l: block l's scale and minimum (a part-filled group's padding lanes: 0)
+        const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)s))),
+                                           _mm512_set1_ps(scale_step(s)));
+        const __m512 minimum = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + GROUP)))),
+            _mm512_set1_ps(min_step(s)), _mm512_set1_ps(min_base(s)));
+        for (int r = 0; r < R; r++) {
+            const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[r].d(gi)));
+            dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), step, dot[r]);
+            off[r] = _mm512_fmadd_ps(minimum, _mm512_loadu_ps(X[r].dt(gi)), off[r]);
         }
     }
-    for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) {
-            if (gb < X[0].groups) {  // more tiles to come
-                _mm512_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
-                _mm512_storeu_ps(state + (u * R + r) * STATE + 16, off[u][r]);
-                continue;
-            }
-            float s = hsum16(_mm512_add_ps(dot[u][r], off[u][r]));
-            if (bias) s += bf16_to_float(bias[j + u]);
-            Y[r * N + j + u] = float_to_bf16(s);
+    for (int r = 0; r < R; r++) {
+        if (gb < X[0].groups) {  // more tiles to come
+            _mm512_storeu_ps(state + r * STATE, dot[r]);
+            _mm512_storeu_ps(state + r * STATE + 16, off[r]);
+            continue;
         }
+        float sum = hsum16(_mm512_sub_ps(dot[r], off[r]));
+        if (bias) sum += bf16_to_float(bias[j]);
+        Y[r * N + j] = float_to_bf16(sum);
+    }
 }
 #else
 #define INT4_VNNI 0
@@ -202,93 +194,84 @@ constexpr const char* PATH = "avx2";
 // 16 · 15 · 127 = 30,480: exact), then vpmaddwd into int32.
 constexpr int STATE = 8;  // floats of a row's sums per output (8 lanes)
 
-template <int R, int J>
-static inline void rows(const uint8_t* Q, const uint16_t* S, const Prepared* X, float* state, long j, long K,
+template <int R>
+static inline void rows(const uint8_t* Q, const uint8_t* S, const Prepared* X, float* state, long j, long K,
                         long ga, long gb, const uint16_t* bias, uint16_t* Y, long N) {
-    const long nb = K / BLOCK;
+    const long nb = K / BLOCK, G = groups_of(K);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256i high16 = _mm256_set1_epi32((int)0xffff0000u), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 dot[J][R];
-    for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) dot[u][r] = ga ? _mm256_loadu_ps(state + (u * R + r) * STATE) : _mm256_setzero_ps();
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 dot[R];
+    for (int r = 0; r < R; r++) dot[r] = ga ? _mm256_loadu_ps(state + r * STATE) : _mm256_setzero_ps();
     for (long gi = ga; gi < gb; gi++) {
-        const long b0 = gi * GROUP;
         const int g = group_size(nb, gi);
+        const uint8_t* s = S + (j * G + gi) * RECORD;
         for (int half = 0; half < 2; half++) {
             const int lanes = g - 8 * half;
             if (lanes <= 0) break;
             const bool full = lanes >= 8;
             const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), lane);
-            for (int u = 0; u < J; u++) {
-                const long blk = (j + u) * nb + b0;
-                const uint8_t* q = Q + blk * 16 + 32 * half;
-                const uint16_t* s = S + 2 * blk + 16 * half;
-                _mm_prefetch((const char*)q + Q_AHEAD, _MM_HINT_T0);
-                _mm_prefetch((const char*)q + Q_AHEAD + 64, _MM_HINT_T0);
-                _mm_prefetch((const char*)s + Q_AHEAD / 4, _MM_HINT_T0);
-                __m256i p[R];
-                for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
-                for (int k = 0; k < 4; k++) {
-                    const int* at = (const int*)(q + 4 * g * k);
-                    const __m256i v = full ? _mm256_loadu_si256((const __m256i*)at) : _mm256_maskload_epi32(at, mask);
-                    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                    for (int r = 0; r < R; r++) {
-                        const __m256i xl = _mm256_loadu_si256((const __m256i*)(X[r].xs(gi, 2 * k) + 32 * half));
-                        const __m256i xh = _mm256_loadu_si256((const __m256i*)(X[r].xs(gi, 2 * k + 1) + 32 * half));
-                        p[r] = _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                                       _mm256_maddubs_epi16(hi, xh)));
-                    }
-                }
-                const __m256i sz =
-                    full ? _mm256_loadu_si256((const __m256i*)s) : _mm256_maskload_epi32((const int*)s, mask);
-                const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
-                const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sz, high16));
+            const uint8_t* q = Q + (j * nb + gi * GROUP) * 16 + 32 * half;
+            _mm_prefetch((const char*)q + Q_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char*)q + Q_AHEAD + 64, _MM_HINT_T0);
+            _mm_prefetch((const char*)s + Q_AHEAD / 8, _MM_HINT_T0);
+            __m256i p[R];
+            for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++) {
+                const int* at = (const int*)(q + 4 * g * k);
+                const __m256i v = full ? _mm256_loadu_si256((const __m256i*)at) : _mm256_maskload_epi32(at, mask);
+                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 for (int r = 0; r < R; r++) {
-                    const __m256i init = _mm256_loadu_si256((const __m256i*)(X[r].init(gi) + 8 * half));
-                    const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(p[r], ones), init);
-                    const __m256 step = _mm256_mul_ps(scale, _mm256_loadu_ps(X[r].d(gi) + 8 * half));
-                    dot[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), step, dot[u][r]);
-                    dot[u][r] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(X[r].dt(gi) + 8 * half), dot[u][r]);
+                    const __m256i xl = _mm256_loadu_si256((const __m256i*)(X[r].xs(gi, 2 * k) + 32 * half));
+                    const __m256i xh = _mm256_loadu_si256((const __m256i*)(X[r].xs(gi, 2 * k + 1) + 32 * half));
+                    p[r] = _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                   _mm256_maddubs_epi16(hi, xh)));
                 }
+            }
+            const __m256 scale = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + 8 * half)))),
+                _mm256_set1_ps(scale_step(s)));
+            const __m256 minimum = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + GROUP + 8 * half)))),
+                _mm256_set1_ps(min_step(s)), _mm256_set1_ps(min_base(s)));
+            for (int r = 0; r < R; r++) {
+                const __m256i acc = _mm256_madd_epi16(p[r], ones);
+                const __m256 step = _mm256_mul_ps(scale, _mm256_loadu_ps(X[r].d(gi) + 8 * half));
+                dot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), step, dot[r]);
+                dot[r] = _mm256_fnmadd_ps(minimum, _mm256_loadu_ps(X[r].dt(gi) + 8 * half), dot[r]);
             }
         }
     }
-    for (int u = 0; u < J; u++)
-        for (int r = 0; r < R; r++) {
-            if (gb < X[0].groups) {  // more tiles to come
-                _mm256_storeu_ps(state + (u * R + r) * STATE, dot[u][r]);
-                continue;
-            }
-            float s = hsum(dot[u][r]);
-            if (bias) s += bf16_to_float(bias[j + u]);
-            Y[r * N + j + u] = float_to_bf16(s);
+    for (int r = 0; r < R; r++) {
+        if (gb < X[0].groups) {  // more tiles to come
+            _mm256_storeu_ps(state + r * STATE, dot[r]);
+            continue;
         }
+        float sum = hsum(dot[r]);
+        if (bias) sum += bf16_to_float(bias[j]);
+        Y[r * N + j] = float_to_bf16(sum);
+    }
 }
 #endif
 
 constexpr long TASK = 16;              // output rows per task
 constexpr long L1_PREPARED = 20 << 10;  // bytes of prepared rows a tile of groups keeps in L1
 
-// Output rows j0..j1 (at most TASK) for R rows: four output rows at a time for one or two rows
-// (in cache, 0.6-0.8x the time of one or two at a time; 3-4 rows gained nothing), and groups in
-// tiles whose prepared rows stay in L1 while every output row reads them (a long K, as the MLP's
-// down projection's, would otherwise stream R prepared rows from L2 for each output). Sums are
-// kept per lane across tiles, so a row's arithmetic is the same for any tiling.
+// Output rows j0..j1 (at most TASK) for R rows, one at a time, and groups in tiles whose prepared
+// rows stay in L1 while every output row reads them (a long K, as the MLP's down projection's,
+// would otherwise stream R prepared rows from L2 for each output). Sums are kept per lane across
+// tiles, so a row's arithmetic is the same for any tiling.
 template <int R>
-static void span(const uint8_t* Q, const uint16_t* S, const Prepared* X, const uint16_t* bias, uint16_t* Y, long j0,
+static void span(const uint8_t* Q, const uint8_t* S, const Prepared* X, const uint16_t* bias, uint16_t* Y, long j0,
                  long j1, long K, long N) {
-    constexpr int J = R <= 2 ? 4 : 1;
     const long G = X[0].groups, tile = std::max<long>(1, L1_PREPARED / (R * PREPARED_BYTES));
     alignas(64) float state[TASK * R * STATE];  // sums between tiles (the first tile starts at zero, the last writes y)
     for (long ga = 0; ga < G; ga += tile) {
         const long gb = std::min(G, ga + tile);
-        long j = j0;
-        for (; j + J <= j1; j += J) rows<R, J>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb, bias, Y, N);
-        for (; j < j1; j++) rows<R, 1>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb, bias, Y, N);
+        for (long j = j0; j < j1; j++) rows<R>(Q, S, X, state + (j - j0) * R * STATE, j, K, ga, gb, bias, Y, N);
     }
 }
 
-static int product(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* Y, long N,
+static int product(const uint8_t* Q, const uint8_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* Y, long N,
                    long K, int R, int R_out, int threads) {
     if (R < 1 || R > MAX_ROWS || R_out < R || R_out > MAX_ROWS || K % BLOCK) return 1;
     static thread_local std::vector<uint8_t> work;  // the prepared rows, kept between calls
@@ -322,9 +305,9 @@ static int product(const uint8_t* Q, const uint16_t* S, const uint16_t* x, const
     return 0;
 }
 
-// Eight weights (q - 8) · scale + zero, one FMA each, from eight nibbles as int32.
-static inline __m256 weights8(__m256i q, __m256 scale, __m256 zero) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))), scale, zero);
+// Eight weights q · scale - minimum, one FMA each (q · scale is exact), from eight nibbles as int32.
+static inline __m256 weights8(__m256i q, __m256 scale, __m256 minimum) {
+    return _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), scale, minimum);
 }
 
 // Sixteen floats as bfloat16, in order, each rounded to nearest even (float_to_bf16, NaN kept a NaN).
@@ -349,20 +332,20 @@ static inline void store16(float* w, __m256 a, __m256 b) {
 // One block's 32 weights from its 16 bytes of nibbles (byte i: element i low, i + 16 high): eight
 // weights an FMA (the scalar fmaf's rounding), stored as float32 or bfloat16.
 template <typename E>
-static inline void unpack_block(__m128i bytes, __m256 scale, __m256 zero, E* w) {
+static inline void unpack_block(__m128i bytes, __m256 scale, __m256 minimum, E* w) {
     const __m256i low4 = _mm256_set1_epi32(15);
     const __m256i b0 = _mm256_cvtepu8_epi32(bytes);                      // bytes 0-7
     const __m256i b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8-15
-    store16(w, weights8(_mm256_and_si256(b0, low4), scale, zero), weights8(_mm256_and_si256(b1, low4), scale, zero));
-    store16(w + 16, weights8(_mm256_srli_epi32(b0, 4), scale, zero), weights8(_mm256_srli_epi32(b1, 4), scale, zero));
+    store16(w, weights8(_mm256_and_si256(b0, low4), scale, minimum), weights8(_mm256_and_si256(b1, low4), scale, minimum));
+    store16(w + 16, weights8(_mm256_srli_epi32(b0, 4), scale, minimum), weights8(_mm256_srli_epi32(b1, 4), scale, minimum));
 }
 
 #if defined(__AVX512BW__)
 // bfloat16 on AVX-512BW: the block's sixteen possible values (q = 0..15, the same FMA and rounding
 // as above) computed once, then its 32 nibbles looked up (vpermw).
-static inline void unpack_block(__m128i bytes, __m256 scale, __m256 zero, uint16_t* w) {
-    const __m256i values = bf16x16(weights8(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), scale, zero),
-                                   weights8(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15), scale, zero));
+static inline void unpack_block(__m128i bytes, __m256 scale, __m256 minimum, uint16_t* w) {
+    const __m256i values = bf16x16(weights8(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), scale, minimum),
+                                   weights8(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15), scale, minimum));
     const __m256i wide = _mm256_cvtepu8_epi16(bytes);
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(wide, _mm256_set1_epi16(15))),
                                            _mm256_srli_epi16(wide, 4), 1);
@@ -377,10 +360,10 @@ static inline __m128i block_bytes(const uint8_t* q, int g, int l) {
     return _mm_setr_epi32(part[0], part[1], part[2], part[3]);
 }
 
-// W [N, K] as float32 (or bfloat16, each value rounded once), each weight (q - 8) · scale + zero
+// W [N, K] as float32 (or bfloat16, each value rounded once), each weight q · scale - minimum
 // (for prefills, which run a GEMM), so the prefill's unpacking streams near the memory's rate.
 template <typename E>
-static int dequantize(const uint8_t* Q, const uint16_t* S, E* W, long N, long K, int threads) {
+static int dequantize(const uint8_t* Q, const uint8_t* S, E* W, long N, long K, int threads) {
     if (K % BLOCK) return 1;
     const long nb = K / BLOCK, G = groups_of(K);
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -388,11 +371,11 @@ static int dequantize(const uint8_t* Q, const uint16_t* S, E* W, long N, long K,
         for (long gi = 0; gi < G; gi++) {
             const int g = group_size(nb, gi);
             const uint8_t* q = Q + (j * nb + gi * GROUP) * 16;
-            for (int l = 0; l < g; l++) {
-                const long b = gi * GROUP + l, blk = j * nb + b;
-                unpack_block(block_bytes(q, g, l), _mm256_set1_ps(bf16_to_float(S[2 * blk])),
-                             _mm256_set1_ps(bf16_to_float(S[2 * blk + 1])), W + j * K + b * BLOCK);
-            }
+            const uint8_t* s = S + (j * G + gi) * RECORD;
+            const float ds = scale_step(s), dm = min_step(s), mb = min_base(s);
+            for (int l = 0; l < g; l++)
+                unpack_block(block_bytes(q, g, l), _mm256_set1_ps(ds * (float)s[l]),
+                             _mm256_set1_ps(dm * (float)s[GROUP + l] + mb), W + j * K + (gi * GROUP + l) * BLOCK);
         }
     return 0;
 }
