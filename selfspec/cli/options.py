@@ -37,8 +37,9 @@ DTYPE_HELP = (
     "weights and activations dtype (default auto: int4 for the Qwen2.5-Coder models on x86 CPUs where selfspec's "
     "kernels build; else bfloat16 on CUDA, on x86 CPUs where selfspec's product kernel builds (AVX2 and g++) and on "
     "CPUs that compute it natively; else float32); int8: int8 weights with one scale per output channel, bfloat16 "
-    "activations; int4 (CPU): 4-bit weights in groups of 32 (the GGUF Q4_1 grid), activations as int8 in blocks of "
-    "32 for the products, an int8 head; lossless is relative to AR in the same dtype"
+    "activations; int4 (CPU): 4-bit weights in groups of 32, each group's scale and minimum as 8-bit codes "
+    "(llama.cpp's Q4_K idea, 4.6 bits a weight), activations as int8 in blocks of 32 for the products, an int8 "
+    "head; lossless is relative to AR in the same dtype"
 )
 EXACT_HELP = (
     "greedy output bit-identical to AR by construction on any CPU or GPU: where selfspec's fused layer runs, each "
