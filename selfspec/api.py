@@ -83,9 +83,9 @@ class SelfSpecModel:
     # Drafters by their options, kept for the session: adaptive ones (SWIFT) carry what they
     # learned on one prompt over to the next.
     _drafters: dict = field(init=False, default_factory=dict, repr=False)
-    # Suffix stores by tenant (None: shared): every request's prompt and output, for `suffix`.
-    suffix_tokens: int = 1_000_000  # each store's budget in tokens (the oldest text goes past it)
-    _suffix: dict = field(init=False, default_factory=dict, repr=False)
+    # The suffix store: every request's prompt and output, by tenant, for `suffix` (None: none made yet).
+    suffix_tokens: int = 1_000_000  # the suffix store's budget in tokens, over all tenants (the oldest text goes past it)
+    _suffix: object = field(init=False, default=None, repr=False)
     _suffix_lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
     # One prefix store, its entries by tenant (as the suffix stores): earlier generations' cache
     # entries that a new prompt starting with the same tokens reuses (`keep_prefixes`; None: none kept).
@@ -208,23 +208,25 @@ class SelfSpecModel:
         return fused_layer.ROWS if self.adapter.runs_fused(fused_layer.ROWS) else EXACT_ROWS
 
     def suffix_store(self, tenant: str | None = None):
-        """The suffix store of this model for `tenant` (None: the one every request shares): the
-        prompts and outputs `suffix` drafts from (selfspec.drafters.suffix)."""
-        from selfspec.drafters.suffix import SuffixStore
+        """This model's suffix store as `tenant` sees it (None: the text every request shares): the
+        prompts and outputs `suffix` drafts from (selfspec.drafters.suffix; one store and one
+        budget for all tenants, each drafting from its own text only)."""
+        from selfspec.drafters.suffix import Scoped, SuffixStore
 
         with self._suffix_lock:
-            if tenant not in self._suffix:
-                self._suffix[tenant] = SuffixStore(self.suffix_tokens)
-            return self._suffix[tenant]
+            if self._suffix is None:
+                self._suffix = SuffixStore(self.suffix_tokens)
+            return Scoped(self._suffix, tenant)
 
     def suffix_stores(self) -> list:
+        """The suffix store, if one was made (a list: none or one)."""
         with self._suffix_lock:
-            return list(self._suffix.values())
+            return [] if self._suffix is None else [self._suffix]
 
     def reset_suffix_stores(self) -> None:
         """Forget every request's text (a benchmark's fresh start)."""
         with self._suffix_lock:
-            self._suffix.clear()
+            self._suffix = None
 
     def keep_prefixes(self, budget_bytes: int) -> None:
         """Keep each finished generation's cache entries (prompt and answer), up to budget_bytes

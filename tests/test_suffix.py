@@ -3,7 +3,7 @@
 import pytest
 
 from lossless import REPETITIVE, assert_sampling_matches_target
-from selfspec.drafters.suffix import SuffixDraft, SuffixStore, store_for
+from selfspec.drafters.suffix import Scoped, SuffixDraft, SuffixStore
 
 
 ARCTIC = dict(max_spec_factor=1.0, max_spec_offset=0.0, seen_weight=0.0)  # one draft token per matched token
@@ -63,11 +63,26 @@ def test_memory_is_bounded_and_the_oldest_goes_first():
 
 
 def test_tenants_never_see_each_others_text():
-    a, b = store_for("m", "key-a"), store_for("m", "key-b")
-    assert a is store_for("m", "key-a") and a is not b and a is not store_for("m")
+    store = SuffixStore()
+    a, b, shared = Scoped(store, "key-a"), Scoped(store, "key-b"), Scoped(store)
     a.add([1, 2, 3, 4, 5, 6])
     assert a.draft([1, 2, 3], 4)[0] == [4, 5, 6]
-    assert b.draft([1, 2, 3], 4) == ([], 0)
+    assert b.draft([1, 2, 3], 4) == ([], 0) and shared.draft([1, 2, 3], 4) == ([], 0)
+    assert store.draft([1, 2, 3], 4) == ([], 0)  # the store's own calls are the shared tenant's
+    b.add([1, 2, 3, 7, 8, 9])
+    assert a.draft([1, 2, 3], 4)[0] == [4, 5, 6] and b.draft([1, 2, 3], 4)[0] == [7, 8, 9]
+    assert store.sequences_of("key-a") == store.sequences_of("key-b") == 1
+
+
+def test_one_budget_over_every_tenant_evicts_the_oldest_text_whoever_sent_it():
+    store = SuffixStore(max_tokens=30)
+    for i, tenant in enumerate(["a", "b", "c", "d"]):  # 12 tokens each: 11 places indexed
+        Scoped(store, tenant).add(list(range(100 * (i + 1), 100 * (i + 1) + 12)))
+    assert store.tokens <= 30 and store.sequences == 2
+    assert store.sequences_of("a") == store.sequences_of("b") == 0
+    assert Scoped(store, "a").draft([100, 101, 102], 4) == ([], 0)
+    assert Scoped(store, "d").draft([400, 401, 402], 4)[0] == [403, 404, 405]  # as long as the match
+    assert not any(key[0] in ("a", "b") for key in store._index)  # their places went with them
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 8, 16])
@@ -135,10 +150,12 @@ def test_the_server_drafts_from_earlier_requests_and_keeps_users_apart():
             assert first["choices"][0]["text"] == second["choices"][0]["text"] == alone
             drafted_from_a = second["usage"]["selfspec"]["accepted"] > first["usage"]["selfspec"]["accepted"]
             stores = model.suffix_stores()
+            assert len(stores) == 1 and stores[0].sequences == 2  # one store, one budget
             if scope == "shared":
-                assert drafted_from_a and len(stores) == 1 and stores[0].sequences == 2
-            else:
-                assert len(stores) == 2 and all(s.sequences == 1 for s in stores)  # b's store never saw a's text
+                assert drafted_from_a
+            else:  # b drafted from its own text alone: as a did, with nothing before it
+                assert not drafted_from_a
+                assert stores[0].sequences_of(("user", "a")) == stores[0].sequences_of(("user", "b")) == 1
             metrics = httpx.get(running.url + "/metrics").text
             assert "selfspec_suffix_store_tokens" in metrics and "selfspec_suffix_store_tokens 0.0" not in metrics
         finally:

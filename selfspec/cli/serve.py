@@ -42,11 +42,11 @@ def add_parser(sub) -> None:
                          "cancelled and the server exits (default 5)")
     sv.add_argument("--suffix-scope", choices=("shared", "user"), default="shared",
                     help="whose text --method suffix drafts from: shared (default: every request's; outputs are "
-                         "the same either way, but timing can hint that a text was seen before) or user (one store "
-                         "per request 'user' field, so one client's text never shapes another's drafts)")
+                         "the same either way, but timing can hint that a text was seen before) or user (each request "
+                         "'user' field drafts from its own text only, so one client's text never shapes another's drafts)")
     sv.add_argument("--suffix-tokens", type=int, default=1_000_000, metavar="N",
-                    help="tokens of past prompts and answers each suffix store keeps, the oldest dropped first "
-                         "(default 1000000, tens of MB)")
+                    help="tokens of past prompts and answers the suffix store keeps over all users, the oldest dropped "
+                         "first (default 1000000, tens of MB)")
     sv.add_argument("--prefix-cache", type=float, default=None, metavar="MB",
                     help="MiB of earlier requests' keys and values kept (reused as --suffix-scope says) so that a prompt "
                          "starting with text already read, as a chat's next turn or an agent's system prompt, "

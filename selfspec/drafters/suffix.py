@@ -1,9 +1,10 @@
 """Suffix decoding (Oliaro et al. 2024, "SuffixDecoding"; Snowflake's Arctic Inference, vLLM's
 `suffix` method): drafts from everything this process has seen, not only the current request.
 
-One `SuffixStore` per served model (and, if asked, per tenant) holds recent token sequences of
-every request — prompt and output, indexed as they grow, so requests in flight draft from each
-other — under a token budget, the oldest evicted first. Each round the drafter finds the places
+One `SuffixStore` per served model holds recent token sequences of every request — prompt and
+output, indexed as they grow, so requests in flight draft from each other — under one token budget,
+the oldest evicted first, whoever sent it; a sequence belongs to a tenant (None: shared), and a
+tenant's drafts come from its own sequences only (`Scoped`: the index's keys carry the tenant). Each round the drafter finds the places
 where the context's longest suffix occurred before (in any sequence, its own included), then walks
 their continuations token by token, taking the most frequent next token. As in Arctic Inference,
 the draft's length adapts to the evidence: it stops where the token's confidence (the product,
@@ -15,7 +16,7 @@ tokens, no match drafts nothing (a plain step). Deterministic, like prompt looku
 q is one-hot.
 
 The store is a k-gram index (k = `key_len`) over every position that has a continuation, each
-k-gram keeping its most recent `max_candidates` places; a candidate's match length is extended
+(tenant, k-gram) keeping its most recent `max_candidates` places; a candidate's match length is extended
 backwards up to `max_match` tokens. Thread-safe: the scheduler's thread drafts while others add.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +47,8 @@ DEFAULT_MIN_PROB = 0.1
 class SuffixStore:
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, key_len: int = 3, max_candidates: int = 32,
                  max_match: int = 64):
-        """max_tokens: tokens kept, over all sequences (the oldest sequence goes first past it);
+        """max_tokens: tokens kept, over all sequences of every tenant (the oldest sequence goes first
+        past it);
         key_len: the shortest match used, and the index's key; max_candidates: places kept per
         key (the most recent); max_match: longest match measured."""
         if max_tokens < 1 or key_len < 1 or max_candidates < 1 or max_match < key_len:
@@ -53,7 +56,8 @@ class SuffixStore:
         self.max_tokens, self.key_len, self.max_candidates, self.max_match = max_tokens, key_len, max_candidates, max_match
         self._seqs: collections.OrderedDict[int, Sequence[int]] = collections.OrderedDict()  # oldest first
         self._indexed: dict[int, int] = {}  # sequence id -> positions indexed (ends of k-grams < this)
-        self._index: dict[tuple[int, ...], collections.deque] = {}  # k-gram -> deque of (sequence id, end)
+        self._tenant: dict[int, object] = {}  # sequence id -> its tenant
+        self._index: dict[tuple, collections.deque] = {}  # (tenant, *k-gram) -> deque of (sequence id, end)
         self._next_id = 0
         self._total = 0  # tokens indexed, over every sequence kept
         self._lock = threading.Lock()
@@ -68,14 +72,19 @@ class SuffixStore:
         with self._lock:
             return len(self._seqs)
 
-    def add(self, tokens: Sequence[int]) -> int:
-        """Keep `tokens` (a list that may still grow: its new tokens are indexed as they come);
-        returns its id."""
+    def sequences_of(self, tenant) -> int:
+        with self._lock:
+            return sum(owner == tenant for owner in self._tenant.values())
+
+    def add(self, tokens: Sequence[int], tenant=None) -> int:
+        """Keep `tokens` (a list that may still grow: its new tokens are indexed as they come) as
+        `tenant`'s; returns its id."""
         with self._lock:
             sid = self._next_id
             self._next_id += 1
             self._seqs[sid] = tokens
             self._indexed[sid] = 0
+            self._tenant[sid] = tenant
             self._index_new(sid)
             self._evict()
             return sid
@@ -83,7 +92,7 @@ class SuffixStore:
     def draft(self, context: Sequence[int], max_len: int, max_spec_factor: float = DEFAULT_FACTOR,
               max_spec_offset: float = DEFAULT_OFFSET, seen_weight: float = DEFAULT_SEEN_WEIGHT,
               min_prob: float = DEFAULT_MIN_PROB, sid: int | None = None,
-              ratios: list[float] | None = None) -> tuple[list[int], int]:
+              ratios: list[float] | None = None, tenant=None) -> tuple[list[int], int]:
         """Up to max_len tokens predicted to follow `context`, and the match length they came
         from ([] and 0 without a match of key_len tokens). The allowance (see the module's
         docstring) is max_spec_factor · (match + seen_weight · (places agreeing - 1)) +
@@ -91,7 +100,7 @@ class SuffixStore:
         caller's own growing sequence, the only one whose new tokens need indexing now (each
         drafter indexes its own as it drafts); None: index every sequence's. ratios: a list that
         gains each drafted token's confidence given the tokens before it (the share of the places
-        still agreeing that continue with it)."""
+        still agreeing that continue with it). tenant: whose sequences to draft from (no other's)."""
         k = self.key_len
         if max_len <= 0 or len(context) < k:
             return [], 0
@@ -99,7 +108,7 @@ class SuffixStore:
             for grown in (self._seqs if sid is None else [sid] if sid in self._seqs else []):
                 self._index_new(grown)
             self._evict()
-            places = self._index.get(tuple(context[-k:]))
+            places = self._index.get((tenant, *context[-k:]))
             if not places:
                 return [], 0
             scored = [(self._match(context, sid, end), sid, end) for sid, end in places if sid in self._seqs]
@@ -139,10 +148,10 @@ class SuffixStore:
 
     def _index_new(self, sid: int) -> None:
         """Index the places of sequence sid that gained a continuation token since last time."""
-        k, seq = self.key_len, self._seqs[sid]
+        k, seq, tenant = self.key_len, self._seqs[sid], self._tenant[sid]
         done, upto = self._indexed[sid], len(seq) - 1  # a place needs a continuation token
         for end in range(max(done, k), upto + 1):
-            places = self._index.get(key := tuple(seq[end - k : end]))
+            places = self._index.get(key := (tenant, *seq[end - k : end]))
             if places is None:
                 places = self._index[key] = collections.deque(maxlen=self.max_candidates)
             places.append((sid, end))
@@ -155,10 +164,10 @@ class SuffixStore:
         k = self.key_len
         while self._total > self.max_tokens and len(self._seqs) > 1:
             sid, seq = self._seqs.popitem(last=False)
-            indexed = self._indexed.pop(sid)
+            indexed, tenant = self._indexed.pop(sid), self._tenant.pop(sid)
             self._total -= indexed
             for end in range(k, indexed):
-                key = tuple(seq[end - k : end])
+                key = (tenant, *seq[end - k : end])
                 places = self._index.get(key)
                 if places is not None:
                     try:
@@ -169,17 +178,19 @@ class SuffixStore:
                         del self._index[key]
 
 
-_stores: dict[tuple, SuffixStore] = {}
-_stores_lock = threading.Lock()
+@dataclass(frozen=True)
+class Scoped:
+    """A SuffixStore as one tenant sees it (what a request's drafter is given): its sequences are
+    the tenant's, its drafts come from the tenant's sequences alone."""
 
+    store: SuffixStore
+    tenant: object = None
 
-def store_for(model_key, tenant: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS) -> SuffixStore:
-    """The process's store for one model (its identity) and tenant (None: shared by all)."""
-    with _stores_lock:
-        key = (model_key, tenant)
-        if key not in _stores:
-            _stores[key] = SuffixStore(max_tokens)
-        return _stores[key]
+    def add(self, tokens: Sequence[int]) -> int:
+        return self.store.add(tokens, self.tenant)
+
+    def draft(self, context: Sequence[int], max_len: int, **options) -> tuple[list[int], int]:
+        return self.store.draft(context, max_len, tenant=self.tenant, **options)
 
 
 class SuffixDraft:
@@ -189,7 +200,7 @@ class SuffixDraft:
     def __init__(self, store: SuffixStore, draft_len: int = 32, max_spec_factor: float = DEFAULT_FACTOR,
                  max_spec_offset: float = DEFAULT_OFFSET, seen_weight: float = DEFAULT_SEEN_WEIGHT,
                  min_prob: float = DEFAULT_MIN_PROB, payoff: bool = False):
-        """store: where past sequences are kept (store_for); draft_len: γ, the most tokens a round
+        """store: where past sequences are kept (a SuffixStore, or a tenant's Scoped view); draft_len: γ, the most tokens a round
         (the engine lowers it further to what it may verify); max_spec_factor .. min_prob: the
         allowance and confidence floor of SuffixStore.draft; payoff: cut each draft to the length
         that commits the most tokens per second of verify on this machine

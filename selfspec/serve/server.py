@@ -79,7 +79,7 @@ class Server:
         suffix_scope: whose text `suffix` drafts from: "shared" (every request's: output is the same
         either way, verification is exact, but timing can hint that a text was seen before) or
         "user" (one store per request `user` field, OpenAI's end-user id; none given: one store for
-        all such requests). suffix_tokens: each suffix store's budget (None: the model's default).
+        all such requests). suffix_tokens: the suffix store's budget over all tenants (None: the model's default).
         prefix_mb: MiB of earlier requests' cache entries kept in all (reused as the suffix stores
         are scoped) for prompts that start with the same tokens (SelfSpecModel.keep_prefixes); 0 keeps
         none; None: DEFAULT_PREFIX_MB for the dtypes in PREFIX_BY_DEFAULT, else 0. Where reuse would
