@@ -41,14 +41,14 @@ namespace int4 {
 
 constexpr int BLOCK = 32;
 constexpr int GROUP = INT4_GROUP;    // blocks a group: one 32-bit lane each
-constexpr int RECORD = INT4_RECORD;  // bytes of a group's scales: codes, then two bfloat16 steps
+constexpr int RECORD = INT4_RECORD;  // bytes of a group's scales: codes, then three bfloat16s
 constexpr int Q_AHEAD = 2048;   // bytes of nibbles (and an eighth as many of scales) prefetched ahead
 constexpr int Q_FAR = 16384;    // and, for one or two rows, further ahead into L2 (8192: 1.2x the time)
 
 static inline long groups_of(long K) { return int4_groups(K); }
 static inline int group_size(long nb, long gi) { return (int)std::min<long>(GROUP, nb - gi * GROUP); }
 
-// A group's record: its scale codes, minimum codes and the two steps.
+// A group's record: its scale codes, minimum codes, then the scale step, minimum step and base.
 static inline float scale_step(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP, 2); return bf16_to_float(v); }
 static inline float min_step(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP + 2, 2); return bf16_to_float(v); }
 static inline float min_base(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP + 4, 2); return bf16_to_float(v); }
