@@ -52,7 +52,6 @@ def load_sessions(path: str | None = None) -> list[dict]:
 
 async def run_sessions(url: str, name: str, sessions: list[dict], clients: int, max_tokens: int) -> tuple[dict, float]:
     """Every session's answers, keyed (session, turn), and the generated tokens."""
-    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     answers, tokens, queue = {}, [0], list(enumerate(sessions))
 
     async def one_client():
@@ -68,7 +67,9 @@ async def run_sessions(url: str, name: str, sessions: list[dict], clients: int, 
                 tokens[0] += reply.usage.completion_tokens
                 messages.append({"role": "assistant", "content": text})
 
-    await asyncio.gather(*(one_client() for _ in range(clients)))
+    # closed inside the event loop (left to the garbage collector, it closed after the loop had)
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) as client:
+        await asyncio.gather(*(one_client() for _ in range(clients)))
     return answers, tokens[0]
 
 
