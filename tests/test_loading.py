@@ -1,6 +1,7 @@
 """Tests for selfspec.model.loading: names and paths resolve, GGUF converts once, atomically."""
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -132,6 +133,7 @@ def smollm2_cache(tmp_path_factory):
         start = time.perf_counter()
         loaded = load_hf("smollm2", progress=False)
         yield cache, loaded, time.perf_counter() - start
+    shutil.rmtree(cache, ignore_errors=True)  # GBs of converted models (the tests' own files are pytest's to drop)
 
 
 @pytest.mark.real
