@@ -284,15 +284,19 @@ def block_scales(sz: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Ten
     """Each block's (scale, minimum), float32 [out, blocks], from pack_scales' records: the scale
     exact (an 8-bit code times a bfloat16 has at most 16 significant bits), the minimum that exact
     product plus the base, rounded once (as the kernels' one FMA)."""
-    out, groups, _ = sz.shape
-    steps = sz[..., 2 * GROUP:].contiguous().view(torch.bfloat16).float()  # [out, groups, 3]
+    out = sz.shape[0]
+    steps = sz[..., 2 * GROUP:].contiguous().view(torch.bfloat16)  # [out, groups, 3]
 
-    def per_block(codes, value):
-        return value.repeat_interleave(GROUP, 1)[:, :blocks] if codes is None else \
-            codes.reshape(out, -1)[:, :blocks].float() * per_block(None, value)
+    def codes(first):
+        return sz[..., first:first + GROUP].reshape(out, -1)[:, :blocks].float()
 
-    scale = per_block(sz[..., :GROUP], steps[..., 0])
-    return scale, per_block(sz[..., GROUP:2 * GROUP], steps[..., 1]) + per_block(None, steps[..., 2])
+    scale = codes(0) * _per_block(steps[..., 0], blocks)
+    return scale, codes(GROUP) * _per_block(steps[..., 1], blocks) + _per_block(steps[..., 2], blocks)
+
+
+def _per_block(per_group: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A value per group [out, groups] as float32 per block [out, blocks]."""
+    return per_group.float().repeat_interleave(GROUP, 1)[:, :blocks]
 
 
 def _bfloat16_up(v: torch.Tensor) -> torch.Tensor:
@@ -320,15 +324,12 @@ def quantize_blocks(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     def per_group(v, pad, reduce):  # [out, blocks] -> [out, groups], a part-filled group padded
         return reduce(torch.nn.functional.pad(v, (0, groups * GROUP - blocks), value=pad).view(out, groups, GROUP), -1)
 
-    def per_block(v):
-        return v.float().repeat_interleave(GROUP, 1)[:, :blocks]
-
     scale_step = _bfloat16_up(per_group(scale, 0.0, torch.amax) / 255).clamp(min=1e-30)
     min_base = _bfloat16_down(per_group(minimum, float("inf"), torch.amin))
     min_step = _bfloat16_up((per_group(minimum, float("-inf"), torch.amax) - min_base.float()) / 255)
-    sc = torch.round(scale / per_block(scale_step)).clamp(1, 255)
-    spread = per_block(min_step)
-    mn = torch.where(spread > 0, torch.round((minimum - per_block(min_base)) / torch.where(spread > 0, spread, 1)), 0)
+    sc = torch.round(scale / _per_block(scale_step, blocks)).clamp(1, 255)
+    spread = _per_block(min_step, blocks)
+    mn = torch.where(spread > 0, torch.round((minimum - _per_block(min_base, blocks)) / torch.where(spread > 0, spread, 1)), 0)
     sz = pack_scales(sc, mn.clamp(0, 255), scale_step, min_step, min_base)
     s, m = block_scales(sz, blocks)
     q = torch.round((g + m[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8)

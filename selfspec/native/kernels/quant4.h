@@ -48,10 +48,13 @@ constexpr int Q_FAR = 16384;    // and, for one or two rows, further ahead into 
 static inline long groups_of(long K) { return int4_groups(K); }
 static inline int group_size(long nb, long gi) { return (int)std::min<long>(GROUP, nb - gi * GROUP); }
 
-// A group's record: its scale codes, minimum codes, then the scale step, minimum step and base.
-static inline float scale_step(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP, 2); return bf16_to_float(v); }
-static inline float min_step(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP + 2, 2); return bf16_to_float(v); }
-static inline float min_base(const uint8_t* s) { uint16_t v; memcpy(&v, s + 2 * GROUP + 4, 2); return bf16_to_float(v); }
+// A group's record: its scale codes, minimum codes, then three bfloat16s (record_value's i).
+enum { SCALE_STEP, MIN_STEP, MIN_BASE };
+static inline float record_value(const uint8_t* s, int i) {
+    uint16_t v;
+    memcpy(&v, s + 2 * GROUP + 2 * i, 2);
+    return bf16_to_float(v);
+}
 
 // One row of x, prepared: per group of 16 blocks (the last one zero-padded), PREPARED_BYTES bytes:
 // xs [8][64] int8, xs[2k] lane l holding block l's xq elements 4k..4k+3 and xs[2k + 1] its 16 + 4k..,
@@ -163,10 +166,10 @@ static inline void rows(const uint8_t* Q, const uint8_t* S, const Prepared* X, f
         }
         // lane l: block l's scale and minimum (a part-filled group's padding lanes: 0)
         const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)s))),
-                                           _mm512_set1_ps(scale_step(s)));
+                                           _mm512_set1_ps(record_value(s, SCALE_STEP)));
         const __m512 minimum = _mm512_fmadd_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + GROUP)))),
-            _mm512_set1_ps(min_step(s)), _mm512_set1_ps(min_base(s)));
+            _mm512_set1_ps(record_value(s, MIN_STEP)), _mm512_set1_ps(record_value(s, MIN_BASE)));
         for (int r = 0; r < R; r++) {
             const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[r].d(gi)));
             dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), step, dot[r]);
@@ -229,10 +232,10 @@ static inline void rows(const uint8_t* Q, const uint8_t* S, const Prepared* X, f
             }
             const __m256 scale = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + 8 * half)))),
-                _mm256_set1_ps(scale_step(s)));
+                _mm256_set1_ps(record_value(s, SCALE_STEP)));
             const __m256 minimum = _mm256_fmadd_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + GROUP + 8 * half)))),
-                _mm256_set1_ps(min_step(s)), _mm256_set1_ps(min_base(s)));
+                _mm256_set1_ps(record_value(s, MIN_STEP)), _mm256_set1_ps(record_value(s, MIN_BASE)));
             for (int r = 0; r < R; r++) {
                 const __m256i acc = _mm256_madd_epi16(p[r], ones);
                 const __m256 step = _mm256_mul_ps(scale, _mm256_loadu_ps(X[r].d(gi) + 8 * half));
@@ -372,7 +375,7 @@ static int dequantize(const uint8_t* Q, const uint8_t* S, E* W, long N, long K, 
             const int g = group_size(nb, gi);
             const uint8_t* q = Q + (j * nb + gi * GROUP) * 16;
             const uint8_t* s = S + (j * G + gi) * RECORD;
-            const float ds = scale_step(s), dm = min_step(s), mb = min_base(s);
+            const float ds = record_value(s, SCALE_STEP), dm = record_value(s, MIN_STEP), mb = record_value(s, MIN_BASE);
             for (int l = 0; l < g; l++)
                 unpack_block(block_bytes(q, g, l), _mm256_set1_ps(ds * (float)s[l]),
                              _mm256_set1_ps(dm * (float)s[GROUP + l] + mb), W + j * K + (gi * GROUP + l) * BLOCK);
