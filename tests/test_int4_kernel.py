@@ -126,7 +126,7 @@ def test_both_layouts_hold_the_weights_to_the_same_precision():
     assert abs(rms[0] / rms[1] - 1) < 0.1, rms
     x = torch.randn(3, 128).bfloat16()
     decode = int4_linear(x, blocks.packed, blocks.scales_zeros)  # the kernel
-    prefill = int4_linear(x.repeat(20, 1), blocks.packed, blocks.scales_zeros)[:3]  # 60 rows: a float32 GEMM
+    prefill = int4_linear(x.repeat(40, 1), blocks.packed, blocks.scales_zeros)[:3]  # 120 rows: a GEMM
     torch.testing.assert_close(decode.float(), prefill.float(), atol=0.02, rtol=0.01)
     exact = x.float() @ w.t()  # both near the unquantized product (4-bit noise over 128 inputs)
     for y in (decode, packed(x)):
@@ -158,10 +158,56 @@ def test_a_wrong_call_is_a_runtime_error():
         ops.int4_dequantize(q, sz[..., :18].contiguous())  # a record cut short
     with pytest.raises(RuntimeError):
         ops.int4_dequantize(q.view(48, 64), sz)
+    for args in [(torch.randn(40, 96).bfloat16(), q, sz, None),      # inner sizes differ
+                 (torch.randn(40, 64), q, sz, None),                   # float32 x
+                 (torch.randn(0, 64).bfloat16(), q, sz, None),         # no rows
+                 (torch.randn(40, 64).bfloat16(), q, sz, torch.randn(47).bfloat16())]:  # wrong bias size
+        with pytest.raises(RuntimeError):
+            ops.int4_rows(*args)
     with pytest.raises(RuntimeError):
         ops.int4_prefill(torch.randn(40, 96).bfloat16(), q, sz, None, 1 << 20)  # inner sizes differ
     with pytest.raises(RuntimeError):
         ops.int4_prefill(torch.randn(40, 64).bfloat16(), q, sz, torch.randn(48), 1 << 20)  # bias dtype differs
+
+
+# K of 18 and of 83 blocks (as above); 17 to 100 rows: passes of eight, and a tail of one to seven
+@pytest.mark.parametrize("in_features", [576, 2656])
+def test_a_short_prefill_gives_each_row_its_one_row_result(in_features, path):
+    linear, g = _blocks(200, in_features, seed=3)
+    q, sz = linear.packed, linear.scales_zeros
+    x = torch.randn(100, in_features, generator=g).bfloat16()
+    bias = torch.randn(200, generator=g).bfloat16()
+    alone = torch.cat([gemv.int4_linear(x[r:r + 1], q, sz, bias) for r in range(100)])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (17, 23, 64, 100):
+                got = gemv.int4_rows(x[:rows], q, sz, bias)
+                assert got.shape == (rows, 200) and got.dtype == torch.bfloat16
+                assert torch.equal(got, alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_module_routes_short_prefills_to_the_kernel_and_long_ones_to_the_gemm(path, monkeypatch):
+    linear, g = _blocks(64, 576, seed=4)
+    q, sz = linear.packed, linear.scales_zeros
+    limit = gemv.int4_rows_limit()
+    x = torch.randn(limit + 1, 576, generator=g).bfloat16()
+    alone = torch.cat([int4_linear(x[r:r + 1], q, sz) for r in range(limit + 1)])
+    if limit:  # short: the decode step's bits
+        assert torch.equal(int4_linear(x[:limit], q, sz), alone[:limit])
+        assert torch.equal(int4_linear(x[:gemv.MAX_ROWS + 1], q, sz), alone[:gemv.MAX_ROWS + 1])
+    w = gemv.int4_dequantize(q, sz, torch.bfloat16)
+    gemm = torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(int4_linear(x, q, sz), gemm)  # one row past the limit: the GEMM's own
+    monkeypatch.setenv("SELFSPEC_INT4_ROWS", "0")
+    assert gemv.int4_rows_limit() == 0
+    torch.testing.assert_close(int4_linear(x[:20], q, sz), gemm[:20])
+    monkeypatch.setenv("SELFSPEC_INT4_ROWS", "many")
+    with pytest.raises(ValueError, match="SELFSPEC_INT4_ROWS"):
+        gemv.int4_rows_limit()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -179,8 +225,9 @@ def test_a_prefill_tile_by_tile_is_the_whole_dequantized_gemm(dtype, path):
             assert got.shape == (40, 100) and got.dtype == dtype and got.is_contiguous()
             torch.testing.assert_close(got, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     # through the module: more rows than the kernel takes go this way
-    torch.testing.assert_close(int4_linear(x.bfloat16(), q, sz).float(),
-                               torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float(), atol=2e-2, rtol=2e-2)
+    long = x.repeat(3, 1)[:gemv.int4_rows_limit() + 1]
+    torch.testing.assert_close(int4_linear(long.bfloat16(), q, sz).float(),
+                               torch.nn.functional.linear(long.bfloat16(), w.bfloat16()).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_a_prefill_that_wants_a_gradient_gets_one(path):

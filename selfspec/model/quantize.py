@@ -378,18 +378,22 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
                 live: int | None = None) -> torch.Tensor:
     """x [..., in] · Wᵀ (+ bias) for W in either Int4Linear layout. Blocks: forwards of up to
     gemv.MAX_ROWS rows through selfspec's kernel (only the first `live` rows computed, the rest
-    copies of the last live one: exact mode's padding), more rows as a float32 GEMM of the
-    dequantized weight."""
+    copies of the last live one: exact mode's padding); short prefills (up to
+    gemv.int4_rows_limit() rows) through the same kernel's arithmetic, so their rows are the decode
+    step's; longer ones as a GEMM of the dequantized weight."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if packed.dim() == 3:
-        if rows.shape[0] <= gemv.MAX_ROWS and x.dtype == torch.bfloat16 and not gemv.needs_grad(x):
+        kernel = x.dtype == torch.bfloat16 and not gemv.needs_grad(x)
+        if rows.shape[0] <= gemv.MAX_ROWS and kernel:
             live = rows.shape[0] if live is None else live
             y = gemv.int4_linear(rows[:live], packed, scales_zeros, bias, rows_out=rows.shape[0])
+        elif kernel and gemv.available() and rows.shape[0] <= gemv.int4_rows_limit():
+            y = gemv.int4_rows(rows, packed, scales_zeros, bias)
         else:
-            # A prefill (or float32 rows): the weights dequantized for a GEMM, in bfloat16 where the
-            # CPU computes it natively (AVX512-BF16, AMX), else in float32. The decode rows' x as
-            # int8 is not this: a prefill's numbers are its own, the same for AR and every drafter.
+            # A long prefill (or float32 rows): the weights dequantized for a GEMM, in bfloat16 where
+            # the CPU computes it natively (AVX512-BF16, AMX), else in float32. The decode rows' x as
+            # int8 is not this: such a prefill's numbers are its own, the same for AR and every drafter.
             native = x.dtype == torch.bfloat16 and gemv.native_bfloat16() and gemv.available()
             dtype = x.dtype if native else torch.float32
             b = None if bias is None else bias.to(dtype)

@@ -296,6 +296,31 @@ def int4_dequantize(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torc
     return _STATE["lib"].int4_dequantize.default(q, sz, dtype == torch.bfloat16)
 
 
+INT4_ROWS = 64  # up to this many rows (a short prefill) the 4-bit products run the decode kernel (int4_rows)
+
+
+def int4_rows_limit() -> int:
+    """The most rows a 4-bit product runs through the decode kernel's integer arithmetic (`int4_rows`)
+    rather than as a GEMM of dequantized tiles (`int4_prefill`): $SELFSPEC_INT4_ROWS (0: never),
+    else INT4_ROWS, and 0 on AMX CPUs, whose bfloat16 GEMM was not measured against it. On a 2-core
+    AMD EPYC (AVX512-VNNI, AVX512-BF16), Qwen2.5-Coder's layer shapes, random blocks: 17-64 rows
+    took 0.56-0.93x the tiles' time on the 1.5B and 0.60-0.76x on the 0.5B (which breaks even near
+    200 rows, the 1.5B near 96); the AVX2 build, against the float32 GEMM such CPUs run, 0.29-0.55x."""
+    value = os.environ.get("SELFSPEC_INT4_ROWS", "").strip()
+    if value:
+        if not value.isdigit():
+            raise ValueError(f"SELFSPEC_INT4_ROWS must be a whole number of rows (0: none), got {value!r}")
+        return int(value)
+    return 0 if kernel_path() == "amx" else INT4_ROWS
+
+
+def int4_rows(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] bfloat16, any M, · Wᵀ (+ bias) for W as 4-bit blocks, through `int4_linear`'s kernel:
+    each row's result is that row's one-row call, bit for bit, whatever M (the weights stream from
+    memory once for all rows: each thread runs every row over its own output rows)."""
+    return _STATE["lib"].int4_rows.default(x.contiguous(), q, sz, None if bias is None else bias.contiguous())
+
+
 PREFILL_TILE_BYTES = 4 << 20  # the dequantized tile a prefill's GEMM reads (int4_prefill): in cache, reused
 
 

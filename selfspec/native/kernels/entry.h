@@ -48,9 +48,10 @@ constexpr long INT4_GROUP = 16, INT4_RECORD = 2 * INT4_GROUP + 6;
 static inline long int4_groups(long K) { return (K / 32 + INT4_GROUP - 1) / INT4_GROUP; }
 
 // y [R_out, N] = x [R, K] · Wᵀ (+ bias [N]) for W as 4-bit blocks of 32 (quant4.h: Q [N, K / 32, 16] nibbles,
-// S [N, int4_groups(K), INT4_RECORD] scale and minimum codes and steps); bfloat16 x, bias and y.
+// S [N, int4_groups(K), INT4_RECORD] scale and minimum codes and steps); bfloat16 x, bias and y; any
+// R >= 1 (a decode step's few, a short prefill's many), each row's result the one-row call's.
 int selfspec_int4_gemv(const uint8_t* Q, const uint8_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* y,
-                       long N, long K, int R, int R_out, int threads);
+                       long N, long K, long R, long R_out, int threads);
 // The same blocks as W [N, K], float32 (or bfloat16 bits where bfloat16 != 0), each weight q · scale - minimum.
 int selfspec_int4_dequantize(const uint8_t* Q, const uint8_t* S, void* W, int bfloat16, long N, long K, int threads);
 

@@ -150,6 +150,24 @@ Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::
     return y;
 }
 
+// x [M, in] · Wᵀ (+ bias) for any number of rows through the 4-bit product kernel (quant4.h's
+// product): each row's result is int4_gemv's for that row alone, bit for bit.
+Tensor int4_rows(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias) {
+    TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(M >= 1, "x has no rows");
+    check(x, "x", at::kBFloat16, {M, K});
+    check_int4(q, sz, K);
+    const int64_t N = q.size(0);
+    const void* b = optional_ptr(bias, bias.has_value(), "bias", at::kBFloat16, {N});
+    Tensor y = at::empty({M, N}, x.options());
+    const int status = selfspec_int4_gemv((const uint8_t*)q.data_ptr(), (const uint8_t*)sz.data_ptr(),
+                                          (const uint16_t*)x.data_ptr(), (const uint16_t*)b, (uint16_t*)y.data_ptr(),
+                                          N, K, M, M, at::get_num_threads());
+    TORCH_CHECK(status == 0, "the 4-bit product kernel refused ", M, " rows (status ", status, ")");
+    return y;
+}
+
 Tensor int4_dequantize(const Tensor& q, const Tensor& sz, bool bfloat16) {
     TORCH_CHECK(q.dim() == 3, "q must be [out, in / 32, 16] (4-bit blocks of 32), got ", q.sizes());
     const int64_t N = q.size(0), K = q.size(1) * 32;
@@ -396,10 +414,12 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
           "Tensor(b!) values, Tensor(c!)? logits, int heads, float eps, float scale, float final_eps, float softcap, "
           "bool final_gemma, int start) -> Tensor");
     m.def("int4_gemv(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int? rows_out=None) -> Tensor");
+    m.def("int4_rows(Tensor x, Tensor q, Tensor sz, Tensor? bias=None) -> Tensor");
     m.def("int4_dequantize(Tensor q, Tensor sz, bool bfloat16=False) -> Tensor");
     m.def("int4_prefill(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int tile_bytes=4194304) -> Tensor");
     m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
     m.impl("int4_gemv", c10::DispatchKey::CPU, TORCH_FN(int4_gemv));
+    m.impl("int4_rows", c10::DispatchKey::CPU, TORCH_FN(int4_rows));
     m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(int4_dequantize));
     m.impl("int4_prefill", c10::DispatchKey::CPU, TORCH_FN(int4_prefill));
     m.impl("fused_layer", c10::DispatchKey::CPU, TORCH_FN(fused_layer));
