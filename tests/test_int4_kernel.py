@@ -170,7 +170,7 @@ def test_a_wrong_call_is_a_runtime_error():
         ops.int4_prefill(torch.randn(40, 64).bfloat16(), q, sz, torch.randn(48), 1 << 20)  # bias dtype differs
 
 
-# K of 18 and of 83 blocks (as above); 17 to 100 rows: passes of eight, and a tail of one to seven
+# K of 18 and of 83 blocks (as above); 17 to 100 rows: sweeps of sixteen in passes of eight, and tails
 @pytest.mark.parametrize("in_features", [576, 2656])
 def test_a_short_prefill_gives_each_row_its_one_row_result(in_features, path):
     linear, g = _blocks(200, in_features, seed=3)
@@ -225,7 +225,7 @@ def test_a_prefill_tile_by_tile_is_the_whole_dequantized_gemm(dtype, path):
             assert got.shape == (40, 100) and got.dtype == dtype and got.is_contiguous()
             torch.testing.assert_close(got, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     # through the module: more rows than the kernel takes go this way
-    long = x.repeat(3, 1)[:gemv.int4_rows_limit() + 1]
+    long = x.repeat(-(-(gemv.int4_rows_limit() + 1) // 40), 1)[:gemv.int4_rows_limit() + 1]
     torch.testing.assert_close(int4_linear(long.bfloat16(), q, sz).float(),
                                torch.nn.functional.linear(long.bfloat16(), w.bfloat16()).float(), atol=2e-2, rtol=2e-2)
 

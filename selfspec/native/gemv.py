@@ -303,9 +303,9 @@ def int4_rows_limit() -> int:
     """The most rows a 4-bit product runs through the decode kernel's integer arithmetic (`int4_rows`)
     rather than as a GEMM of dequantized tiles (`int4_prefill`): $SELFSPEC_INT4_ROWS (0: never),
     else INT4_ROWS, and 0 on AMX CPUs, whose bfloat16 GEMM was not measured against it. On a 2-core
-    AMD EPYC (AVX512-VNNI, AVX512-BF16), Qwen2.5-Coder's layer shapes, random blocks: 17-64 rows
-    took 0.56-0.93x the tiles' time on the 1.5B and 0.60-0.76x on the 0.5B (which breaks even near
-    200 rows, the 1.5B near 96); the AVX2 build, against the float32 GEMM such CPUs run, 0.29-0.55x."""
+    AMD EPYC (AVX512-VNNI, AVX512-BF16), each of Qwen2.5-Coder 0.5B's and 1.5B's layer shapes (random
+    blocks) took 0.55-0.74x the tiles' time at 32 rows, 0.74-0.95x at 64, 0.89-1.12x at 112 and
+    0.98-1.23x at 200; the AVX2 build 0.29-0.55x the float32 GEMM such CPUs run at 17-64 rows."""
     value = os.environ.get("SELFSPEC_INT4_ROWS", "").strip()
     if value:
         if not value.isdigit():
