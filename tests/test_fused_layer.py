@@ -249,3 +249,32 @@ def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n, path):
         end = len(prompts[b]) + n
         assert torch.equal(together[b].keys[:, :, :, :end], alone[b].keys[:, :, :, :end])
         assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "int4"])
+def test_exact_mode_batches_verifies_each_row_as_alone(dtype, path, monkeypatch):
+    """Exact mode shares one verify forward among requests where the fused layer and a row-invariant
+    head run (ModelAdapter.batches_exactly): a scheduler's rows, batched up to 5 · 5 rows (the head
+    in calls of 16), give every request plain decoding's greedy tokens."""
+    from selfspec.core import batch
+
+    model = _quantized("qwen2", dtype)
+    model.exact = True
+    model.adapter.lean(exact_rows=4)
+    assert model.adapter.exact and model.adapter.batches_exactly(5)
+    h = torch.randn(5, 5, model.adapter.lm_head.in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        together = model.adapter.head_rows(h)  # 25 rows: two head calls
+        for b in range(5):
+            assert torch.equal(together[b], model.adapter.head(h[b:b + 1]))
+    shared = []
+    real = batch.verify_rows
+    monkeypatch.setattr(batch, "verify_rows", lambda adapter, seqs, drafts: shared.append(len(seqs)) or real(adapter, seqs, drafts))
+    prompts = [PROMPT, REPETITIVE, PROMPT[:5] + REPETITIVE[:7], REPETITIVE[3:], [11] * 12]
+    alone = [model.generate(p, method="ar", max_new_tokens=20).tokens for p in prompts]
+    batched = model.generate_batch(prompts, max_batch=5, max_new_tokens=20, method="lookup", draft_len=4)
+    assert [g.tokens for g in batched] == alone
+    assert shared and max(shared) == 5  # rows did share forwards
+    assert sum(g.stats.accepted for g in batched) > 0
+    plain = model.generate_batch(prompts, max_batch=5, max_new_tokens=20, method="ar")
+    assert [g.tokens for g in plain] == alone

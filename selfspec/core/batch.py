@@ -143,11 +143,14 @@ class Scheduler:
         # that touches only their own row's slots as a lone verify would: theirs run alone.
         groups, shared = [], []
         for row in rows:
-            # Exact mode: a batched verify would run other row counts than a lone sequence does.
-            if getattr(row[1].drafter, "verify_alone", False) or self.adapter.exact:
+            if getattr(row[1].drafter, "verify_alone", False):
                 groups.append([row])
             else:
                 shared.append(row)
+        # Exact mode: rows share a forward only where it gives each row its lone verify's bits.
+        if len(shared) > 1 and self.adapter.exact and not self.adapter.batches_exactly(max(len(d) for *_, d in shared) + 1):
+            groups += [[row] for row in shared]
+            shared = []
         for group in groups + ([shared] if shared else []):
             try:
                 self._verify(group)

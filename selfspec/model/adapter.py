@@ -298,18 +298,42 @@ class ModelAdapter:
         computes only those, as its rows do not depend on each other (selfspec.native.gemv)."""
         x = self.norm(h)
         rows = x.reshape(-1, x.shape[-1]) if live is None or x.shape[0] != 1 else x[0, :live]
-        if isinstance(self.lm_head, Int4Linear):  # a 4-bit head (quantize_int4's head="int4"): its kernel
-            logits = self.lm_head(rows)
-            logits = logits.view(x.shape[0], -1, logits.shape[-1]).float()
-        elif self.step is not None and self.step.shape.gemv and gemv.supports(rows, self.lm_head.weight):
-            head = self.lm_head  # nn.Linear, or Int8Linear (int4 models): the same kernel as the layers
-            logits = gemv.linear(rows, head.weight, head.bias, getattr(head, "scale", None))
+        # A verify's rows (one sequence's, or a batched verify's several) in calls of up to
+        # gemv.MAX_ROWS rows, each row's bits its own; a long run of one sequence's rows (a
+        # calibration's teacher) as one product.
+        if self._head_rowwise(rows) and (rows.shape[0] <= gemv.MAX_ROWS or x.shape[0] > 1):
+            head = self.lm_head  # a 4-bit head's kernel, else the int8 or bfloat16 one of the layers
+            if isinstance(head, Int4Linear):
+                part = head
+            else:
+                def part(chunk):
+                    return gemv.linear(chunk, head.weight, head.bias, getattr(head, "scale", None))
+            logits = torch.cat([part(rows[i:i + gemv.MAX_ROWS]) for i in range(0, rows.shape[0], gemv.MAX_ROWS)])
             logits = logits.view(x.shape[0], -1, logits.shape[-1]).float()
         else:
             logits = self.lm_head(x).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def _head_rowwise(self, rows: torch.Tensor) -> bool:
+        """Whether the head takes these rows through a kernel whose rows do not depend on each other
+        (selfspec.native.gemv's, up to gemv.MAX_ROWS a call): a 4-bit head in blocks, or a head the
+        lean step's products run."""
+        if isinstance(self.lm_head, Int4Linear):
+            return self.lm_head.layout == "blocks" and rows.dtype == torch.bfloat16 and not gemv.needs_grad(rows)
+        return (self.step is not None and self.step.shape.gemv
+                and gemv.supports(rows[:gemv.MAX_ROWS], self.lm_head.weight))
+
+    def batches_exactly(self, n: int) -> bool:
+        """Whether a batched verify of n rows a sequence (`run_rows`, `head_rows`) gives every row
+        its lone verify's bits, so exact mode may share one forward among sequences: the layers run
+        through the fused layer (LeanStep.runs_rowwise: a lone verify runs there too, unpadded),
+        the head through a row-invariant kernel."""
+        if self.step is None or not self.step.runs_rowwise(n):
+            return False
+        sample = torch.empty(1, self.lm_head.in_features, dtype=self.dtype)
+        return self._head_rowwise(sample)
 
     # -- one decoder layer --------------------------------------------------------------------
 
