@@ -278,3 +278,12 @@ def test_exact_mode_batches_verifies_each_row_as_alone(dtype, path, monkeypatch)
     assert sum(g.stats.accepted for g in batched) > 0
     plain = model.generate_batch(prompts, max_batch=5, max_new_tokens=20, method="ar")
     assert [g.tokens for g in plain] == alone
+    # drafts of up to 12 beside rows in their last tokens, whose caches hold no padding: those verify alone
+    shared.clear()
+    runs = [model.prepare(p, fresh_drafter=True, max_new_tokens=n,
+                          **(dict(method="lookup", draft_len=12) if i % 2 else dict(method="ar")))
+            for i, (p, n) in enumerate(zip(prompts, (20, 3, 9, 20, 5)))]
+    from test_batch import _run_all
+    assert _run_all(model, runs, max_batch=5) == [model.generate(p, method="ar", max_new_tokens=n).tokens
+                                                   for p, n in zip(prompts, (20, 3, 9, 20, 5))]
+    assert shared

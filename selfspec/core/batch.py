@@ -147,10 +147,16 @@ class Scheduler:
                 groups.append([row])
             else:
                 shared.append(row)
-        # Exact mode: rows share a forward only where it gives each row its lone verify's bits.
-        if len(shared) > 1 and self.adapter.exact and not self.adapter.batches_exactly(max(len(d) for *_, d in shared) + 1):
-            groups += [[row] for row in shared]
-            shared = []
+        # Exact mode: rows share a forward only where it gives each row its lone verify's bits, and
+        # only rows whose cache holds the padding (exact mode keeps every method's capacity the same,
+        # with no headroom for it).
+        if len(shared) > 1 and self.adapter.exact:
+            n = max(len(d) for *_, d in shared) + 1
+            fits = [row[1].start + n < row[1].cache.capacity for row in shared]
+            if sum(fits) < 2 or not self.adapter.batches_exactly(n):
+                fits = [False] * len(shared)
+            groups += [[row] for row, fit in zip(shared, fits) if not fit]
+            shared = [row for row, fit in zip(shared, fits) if fit]
         for group in groups + ([shared] if shared else []):
             try:
                 self._verify(group)
