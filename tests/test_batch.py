@@ -1,5 +1,6 @@
 """Continuous batching: rows of different prompts decoded together, each exactly as alone."""
 
+import math
 import threading
 
 import pytest
@@ -157,3 +158,19 @@ def _run_all(model, runs, max_batch):
         pass
     assert all(o["error"] is None for o in outs)
     return [o["tokens"] for o in outs]
+
+
+def test_partition_groups_rows_by_the_least_estimated_time():
+    from selfspec.core.batch import partition
+
+    def linear(members, n):  # a step, plus a quarter step a row
+        return 1 + 0.25 * (len(members) * n - 1)
+
+    groups = partition([1, 17, 1, 1], linear)  # three plain steps share; a long draft goes alone
+    assert sorted(map(sorted, groups)) == [[0, 2, 3], [1]]
+    groups = partition([4, 3, 4, 4], linear)  # near lengths share, padded to 4
+    assert sorted(map(sorted, groups)) == [[0, 1, 2, 3]]
+    assert partition([2, 2, 2], lambda m, n: math.inf if len(m) > 1 else 1.0) == [[0], [1], [2]]
+    unknown = partition([3, 1, 3, 1, 5], lambda m, n: None)  # nothing timed: equal lengths share
+    assert sorted(map(sorted, unknown)) == [[0, 2], [1, 3], [4]]
+    assert partition([], linear) == []

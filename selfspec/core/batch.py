@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from selfspec.core.draft import Drafter
 from selfspec.core.engine import Decoding, verify_forward, verify_rows
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.stats import GenerationStats, add_counts
+from selfspec.core.verify_clock import clock_for
+from selfspec.native.fused_layer import ROWS
 
 log = logging.getLogger("selfspec.scheduler")
 
@@ -90,6 +93,39 @@ class Totals:
     by_method: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
 
+def partition(lengths: list[int], cost: Callable[[list[int], int], float | None]) -> list[list[int]]:
+    """The rows (by index; lengths: each row's verify rows, its draft plus one) in groups that each
+    share one verify forward padded to its longest row, chosen to take the least estimated time:
+    rows sorted by length, contiguous runs of them (so a group pads little), the best split by
+    dynamic programming over cost(members, n) (seconds, inf where they may not share, None where
+    unknown). Without estimates, rows of equal length share (no padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    if not order:
+        return []
+    if cost(order[:1], lengths[order[0]]) is None:  # nothing timed yet: rows of equal length share
+        equal: dict[int, list[int]] = {}
+        for i in order:
+            equal.setdefault(lengths[i], []).append(i)
+        groups = []
+        for group in equal.values():
+            groups += [group] if cost(group, lengths[group[0]]) != math.inf else [[i] for i in group]
+        return groups
+    best = [0.0] + [math.inf] * len(order)  # best[k]: the least time for the first k sorted rows
+    cut = [0] * (len(order) + 1)
+    for k in range(1, len(order) + 1):
+        for j in range(k):
+            members = order[j:k]
+            seconds = cost(members, lengths[order[k - 1]])
+            total = best[j] + (math.inf if seconds is None else seconds)
+            if total < best[k]:
+                best[k], cut[k] = total, j
+    groups, k = [], len(order)
+    while k > 0:
+        groups.append(order[cut[k]:k])
+        k = cut[k]
+    return groups[::-1]
+
+
 class Scheduler:
     def __init__(self, adapter: ModelAdapter, *, max_batch: int = 8, max_queue: int = 32, max_draft: int = 16):
         """max_batch: rows decoded together; max_queue: requests waiting for a row beyond that
@@ -147,17 +183,8 @@ class Scheduler:
                 groups.append([row])
             else:
                 shared.append(row)
-        # Exact mode: rows share a forward only where it gives each row its lone verify's bits, and
-        # only rows whose cache holds the padding (exact mode keeps every method's capacity the same,
-        # with no headroom for it).
-        if len(shared) > 1 and self.adapter.exact:
-            n = max(len(d) for *_, d in shared) + 1
-            fits = [row[1].start + n < row[1].cache.capacity for row in shared]
-            if sum(fits) < 2 or not self.adapter.batches_exactly(n):
-                fits = [False] * len(shared)
-            groups += [[row] for row, fit in zip(shared, fits) if not fit]
-            shared = [row for row, fit in zip(shared, fits) if fit]
-        for group in groups + ([shared] if shared else []):
+        groups += [[shared[i] for i in part] for part in partition([len(d) + 1 for *_, d in shared], self._cost(shared))]
+        for group in groups:
             try:
                 self._verify(group)
             except Exception as error:  # noqa: BLE001 - the forward shared by these rows failed: they end
@@ -185,6 +212,25 @@ class Scheduler:
             tokens = self._guard(request, seq, seq.finish_round, draft, target, verify_s, len(rows) == 1)
             if tokens is not None:
                 self._emit(request, seq, tokens)
+
+    def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
+        """cost(members, n): the estimated seconds of one verify forward over these rows (indices
+        into `rows`) padded to n rows each, from the model's clock of lone verifies (kernel calls of
+        up to ROWS rows, as run_rows makes them); inf where they may not share one (exact mode:
+        a forward that would not give each row its lone verify's bits, or a cache short of the
+        padding); None before any verify was timed."""
+        clock, exact = clock_for(self.adapter), self.adapter.exact
+
+        def cost(members: list[int], n: int) -> float | None:
+            if len(members) > 1 and exact and (not self.adapter.batches_exactly(n) or any(
+                    rows[i][1].start + n >= rows[i][1].cache.capacity for i in members)):
+                return math.inf
+            per_call = max(1, ROWS // n)
+            full, rest = divmod(len(members), per_call)
+            seconds = [clock.estimate(per_call * n)] * full + ([clock.estimate(rest * n)] if rest else [])
+            return None if None in seconds else sum(seconds)
+
+        return cost
 
     def run(self, stop: threading.Event) -> None:
         """Step until `stop` is set, sleeping while there is nothing to do (a server's thread).
