@@ -138,7 +138,9 @@ SECTIONS = [
 ]
 
 SERVING = [
-    Source("results/serve/load_smollm2.md", "4 clients × 3 streamed chat requests, one process, speculation off and on", load=True),
+    Source("results/serve/load_smollm2.md", "4 clients × 3 streamed chat requests, one process, speculation off and on "
+           "(the clients' steps share forwards; drafts a batch does not pay for are dropped)", load=True),
+    Source("results/serve/load_smollm2_1client.md", "1 client × 3 streamed chat requests", load=True),
     Source("results/serve/load_smollm2_replicas.md", "the same load on one process and on 1 and 2 Ray Serve replicas", load=True),
 ]
 

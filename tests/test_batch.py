@@ -11,6 +11,12 @@ from selfspec.core.batch import QueueFull, Scheduler
 PROMPTS = [PROMPT, REPETITIVE, [7, 3, 9], PROMPT[:4] + REPETITIVE[:6], [11] * 12]
 
 
+@pytest.fixture
+def every_draft(monkeypatch):
+    """Batches verify every draft (no row's draft dropped for a plain step), so the accept path runs."""
+    monkeypatch.setattr(Scheduler, "_worth_drafting", lambda self, rows: rows)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("options", [
     dict(method="ar"),
@@ -18,7 +24,7 @@ PROMPTS = [PROMPT, REPETITIVE, [7, 3, 9], PROMPT[:4] + REPETITIVE[:6], [11] * 12
     dict(method="lookup", draft_len=4),
     dict(method="saguaro", exit_layer=6, draft_len=2),  # pre-drafts while verifying: its rows verify alone
 ])
-def test_batched_greedy_equals_each_prompt_alone(tiny, arch, options):
+def test_batched_greedy_equals_each_prompt_alone(tiny, arch, options, every_draft):
     model = tiny(arch)
     alone = [model.generate(p, method="ar", max_new_tokens=24).tokens for p in PROMPTS]
     batched = model.generate_batch(PROMPTS, max_batch=3, max_new_tokens=24, **options)
@@ -174,3 +180,24 @@ def test_partition_groups_rows_by_the_least_estimated_time():
     unknown = partition([3, 1, 3, 1, 5], lambda m, n: None)  # nothing timed: equal lengths share
     assert sorted(map(sorted, unknown)) == [[0, 2], [1, 3], [4]]
     assert partition([], linear) == []
+
+
+def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(tiny):
+    """With a verify clock that makes each extra row cost a whole step, drafts cannot pay beside
+    other rows: the batch runs plain steps (greedy output unchanged); with rows nearly free they stay."""
+    from selfspec.core.verify_clock import clock_for
+
+    model = tiny("llama")
+    want = [model.generate(p, method="ar", max_new_tokens=20).tokens for p in PROMPTS[:3]]
+    clock = clock_for(model.adapter)
+    for per_row, dropped in ((1.0, True), (0.001, False)):
+        clock.seconds = {n: 1.0 + per_row * (n - 1) for n in range(1, 33)}
+        clock.add = lambda rows, seconds: None  # the set times stay
+        runs = [model.prepare(p, fresh_drafter=True, method="lookup", draft_len=4, max_new_tokens=20) for p in PROMPTS[:3]]
+        scheduler = Scheduler(model.adapter, max_batch=3)
+        outs = _submit(scheduler, runs)
+        while scheduler.step():
+            pass
+        assert [o["tokens"] for o in outs] == want
+        assert (scheduler.totals.drafts_dropped > 0) == dropped
+        del clock.add

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.model.adapter import ModelAdapter
-from selfspec.core.draft import Drafter
+from selfspec.core.draft import Draft, Drafter
 from selfspec.core.engine import Decoding, verify_forward, verify_rows
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.stats import GenerationStats, add_counts
@@ -85,6 +85,7 @@ class Totals:
     accepted: int = 0
     steps: int = 0  # scheduler steps (each one verify forward over all active rows)
     rows: int = 0  # sum over steps of the rows verified together
+    drafts_dropped: int = 0  # drafts a batch verified as plain steps (Scheduler._worth_drafting)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -124,6 +125,12 @@ def partition(lengths: list[int], cost: Callable[[list[int], int], float | None]
         groups.append(order[cut[k]:k])
         k = cut[k]
     return groups[::-1]
+
+
+def _seconds(lengths: list[int], cost: Callable[[list[int], int], float | None]) -> float | None:
+    """The estimated seconds of verifying rows of these lengths in `partition`'s groups (None: unknown)."""
+    times = [cost(group, max(lengths[i] for i in group)) for group in partition(lengths, cost)]
+    return None if None in times else sum(times)
 
 
 class Scheduler:
@@ -183,6 +190,7 @@ class Scheduler:
                 groups.append([row])
             else:
                 shared.append(row)
+        shared = self._worth_drafting(shared)
         groups += [[shared[i] for i in part] for part in partition([len(d) + 1 for *_, d in shared], self._cost(shared))]
         for group in groups:
             try:
@@ -205,6 +213,9 @@ class Scheduler:
             logits = verify_rows(self.adapter, [s for _, s, _ in rows], [d for _, _, d in rows])
         rows[0][1].sync()
         verify_s = time.perf_counter() - t
+        n = max(len(d) for *_, d in rows) + 1
+        if len(rows) > 1 and len(rows) * n <= ROWS:  # one kernel call a layer, as a lone verify of that many rows
+            clock_for(self.adapter).add(len(rows) * n, verify_s)
         self.totals.verify_s += verify_s  # once per forward, however many rows shared it
         self.totals.steps += 1
         self.totals.rows += len(rows)
@@ -212,6 +223,29 @@ class Scheduler:
             tokens = self._guard(request, seq, seq.finish_round, draft, target, verify_s, len(rows) == 1)
             if tokens is not None:
                 self._emit(request, seq, tokens)
+
+    def _worth_drafting(self, rows: list) -> list:
+        """Several greedy rows: their drafts kept where the tokens they are expected to commit per
+        second of the verify forwards they need beat one plain step of them all, else every draft
+        dropped (the batch already fills the rows a draft would add). Expected tokens: each row's
+        acceptance so far, a (Laplace's estimate), as 1 + a + a² + ... over its draft; seconds: the
+        model's verify clock over `partition`'s groups. Unchanged before any verify was timed, and
+        where a row samples (a seeded row draws what it would alone)."""
+        if len(rows) < 2 or not any(len(d) for *_, d in rows) or not all(r.sampling.greedy for r, *_ in rows):
+            return rows
+        cost = self._cost(rows)
+        spec = _seconds([len(d) + 1 for *_, d in rows], cost)
+        plain = _seconds([1] * len(rows), cost)
+        if spec is None or plain is None:
+            return rows
+        expected = 0.0
+        for _, seq, draft in rows:
+            a = (seq.stats.accepted + 1) / (seq.stats.drafted + 2)
+            expected += sum(a ** j for j in range(len(draft) + 1))
+        if expected / spec >= len(rows) / plain:
+            return rows
+        self.totals.drafts_dropped += sum(len(d) > 0 for *_, d in rows)
+        return [(r, seq, Draft(tokens=d.tokens[:0])) for r, seq, d in rows]
 
     def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
         """cost(members, n): the estimated seconds of one verify forward over these rows (indices
