@@ -1,9 +1,12 @@
-"""Continuous batching: many sequences decoded together, one verify forward for all their drafts.
+"""Continuous batching: many sequences decoded together, their drafts verified in shared forwards.
 
 Each step the scheduler (1) admits waiting requests up to `max_batch` rows and prefills them,
-(2) lets every active row draft with its own drafter on its own cache, (3) verifies every row's
-pending token + draft in one forward (`engine.verify_rows`; a lone row takes the single-sequence
-verify with its KV reuse), (4) runs the pure verifier per row and commits. Rows accept different
+(2) lets every active row draft with its own drafter on its own cache, and drops the drafts where a
+plain step of every row is expected to commit more per second (`_worth_drafting`), (3) verifies the
+rows' pending tokens + drafts in the fewest-seconds split into shared forwards (`partition`,
+`engine.verify_rows`; a lone row takes the single-sequence verify with its KV reuse; in exact mode
+only forwards that give each row its lone verify's bits), (4) runs the pure verifier per row and
+commits. Rows accept different
 numbers of tokens (ragged acceptance): each row's cache keeps its own length, and a row's padding
 positions lie past that length, so they are never committed. Finished, stopped or cancelled rows
 leave between steps and waiting requests take their place.
@@ -83,7 +86,7 @@ class Totals:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    steps: int = 0  # scheduler steps (each one verify forward over all active rows)
+    steps: int = 0  # verify forwards (a scheduler step runs one or more)
     rows: int = 0  # sum over steps of the rows verified together
     drafts_dropped: int = 0  # drafts a batch verified as plain steps (Scheduler._worth_drafting)
     draft_s: float = 0.0

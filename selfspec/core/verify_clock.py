@@ -5,8 +5,9 @@ on one machine with its memory's speed of the day (on a 2-core AMD EPYC in int4,
 and 0.5B: v(4) 1.5-1.8; on an AMX Xeon nearly 1).
 Every lone verify the engine runs adds its seconds here (a smoothed figure per row count), so a
 drafter that can choose its length (suffix decoding) weighs the tokens a longer draft may add
-against what the longer verify costs on this machine, without a separate measurement. Verifies
-that several sequences shared are not recorded: their time is not one sequence's.
+against what the longer verify costs on this machine, without a separate measurement. A verify
+that several sequences shared is recorded under its total rows where it was one kernel call a
+layer (as a lone verify of that many rows); the scheduler weighs its batches by these figures.
 """
 
 from __future__ import annotations
