@@ -256,12 +256,14 @@ class Scheduler:
         up to ROWS rows, as run_rows makes them); inf where they may not share one (exact mode:
         a forward that would not give each row its lone verify's bits, or a cache short of the
         padding); None before any verify was timed."""
-        clock, exact = clock_for(self.adapter), self.adapter.exact
+        clock, exact, batches = clock_for(self.adapter), self.adapter.exact, {}
 
         def cost(members: list[int], n: int) -> float | None:
-            if len(members) > 1 and exact and (not self.adapter.batches_exactly(n) or any(
-                    rows[i][1].start + n >= rows[i][1].cache.capacity for i in members)):
-                return math.inf
+            if len(members) > 1 and exact:
+                if n not in batches:
+                    batches[n] = self.adapter.batches_exactly(n)
+                if not batches[n] or any(rows[i][1].start + n >= rows[i][1].cache.capacity for i in members):
+                    return math.inf
             per_call = max(1, ROWS // n)
             full, rest = divmod(len(members), per_call)
             seconds = [clock.estimate(per_call * n)] * full + ([clock.estimate(rest * n)] if rest else [])
