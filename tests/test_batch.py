@@ -14,7 +14,10 @@ PROMPTS = [PROMPT, REPETITIVE, [7, 3, 9], PROMPT[:4] + REPETITIVE[:6], [11] * 12
 @pytest.fixture
 def every_draft(monkeypatch):
     """Batches verify every draft (no row's draft dropped for a plain step), so the accept path runs."""
-    monkeypatch.setattr(Scheduler, "_worth_drafting", lambda self, rows: rows)
+    from selfspec.core.batch import partition
+
+    monkeypatch.setattr(Scheduler, "_worth_drafting",
+                        lambda self, rows: (rows, partition([len(d) + 1 for *_, d in rows], self._cost(rows))))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])

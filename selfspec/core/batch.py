@@ -130,9 +130,9 @@ def partition(lengths: list[int], cost: Callable[[list[int], int], float | None]
     return groups[::-1]
 
 
-def _seconds(lengths: list[int], cost: Callable[[list[int], int], float | None]) -> float | None:
-    """The estimated seconds of verifying rows of these lengths in `partition`'s groups (None: unknown)."""
-    times = [cost(group, max(lengths[i] for i in group)) for group in partition(lengths, cost)]
+def _seconds(lengths: list[int], groups: list[list[int]], cost: Callable[[list[int], int], float | None]) -> float | None:
+    """The estimated seconds of verifying rows of these lengths in these groups (None: unknown)."""
+    times = [cost(group, max(lengths[i] for i in group)) for group in groups]
     return None if None in times else sum(times)
 
 
@@ -193,8 +193,8 @@ class Scheduler:
                 groups.append([row])
             else:
                 shared.append(row)
-        shared = self._worth_drafting(shared)
-        groups += [[shared[i] for i in part] for part in partition([len(d) + 1 for *_, d in shared], self._cost(shared))]
+        shared, parts = self._worth_drafting(shared)
+        groups += [[shared[i] for i in part] for part in parts]
         for group in groups:
             try:
                 self._verify(group)
@@ -227,28 +227,31 @@ class Scheduler:
             if tokens is not None:
                 self._emit(request, seq, tokens)
 
-    def _worth_drafting(self, rows: list) -> list:
-        """Several greedy rows: their drafts kept where the tokens they are expected to commit per
-        second of the verify forwards they need beat one plain step of them all, else every draft
-        dropped (the batch already fills the rows a draft would add). Expected tokens: each row's
-        acceptance so far, a (Laplace's estimate), as 1 + a + a² + ... over its draft; seconds: the
-        model's verify clock over `partition`'s groups. Unchanged before any verify was timed, and
-        where a row samples (a seeded row draws what it would alone)."""
-        if len(rows) < 2 or not any(len(d) for *_, d in rows) or not all(r.sampling.greedy for r, *_ in rows):
-            return rows
+    def _worth_drafting(self, rows: list) -> tuple[list, list[list[int]]]:
+        """The rows, and their split into shared verify forwards (`partition`). Several greedy
+        rows: their drafts kept where the tokens they are expected to commit per second of the
+        forwards they need beat one plain step of them all, else every draft dropped (the batch
+        already fills the rows a draft would add). Expected tokens: each row's acceptance so far, a
+        (Laplace's estimate), as 1 + a + a² + ... over its draft; seconds: the model's verify clock.
+        Drafts stay before any verify was timed, and where a row samples (a seeded row draws what
+        it would alone)."""
         cost = self._cost(rows)
-        spec = _seconds([len(d) + 1 for *_, d in rows], cost)
-        plain = _seconds([1] * len(rows), cost)
+        lengths = [len(d) + 1 for *_, d in rows]
+        parts = partition(lengths, cost)
+        if len(rows) < 2 or max(lengths, default=1) == 1 or not all(r.sampling.greedy for r, *_ in rows):
+            return rows, parts
+        plain_parts = partition([1] * len(rows), cost)
+        spec, plain = _seconds(lengths, parts, cost), _seconds([1] * len(rows), plain_parts, cost)
         if spec is None or plain is None:
-            return rows
+            return rows, parts
         expected = 0.0
         for _, seq, draft in rows:
             a = (seq.stats.accepted + 1) / (seq.stats.drafted + 2)
             expected += sum(a ** j for j in range(len(draft) + 1))
         if expected / spec >= len(rows) / plain:
-            return rows
-        self.totals.drafts_dropped += sum(len(d) > 0 for *_, d in rows)
-        return [(r, seq, Draft(tokens=d.tokens[:0])) for r, seq, d in rows]
+            return rows, parts
+        self.totals.drafts_dropped += sum(length > 1 for length in lengths)
+        return [(r, seq, Draft(tokens=d.tokens[:0])) for r, seq, d in rows], plain_parts
 
     def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
         """cost(members, n): the estimated seconds of one verify forward over these rows (indices

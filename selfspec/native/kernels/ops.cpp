@@ -132,12 +132,11 @@ void check_int4(const Tensor& q, const Tensor& sz, int64_t K) {
     check_int4_scales(sz, "sz (each group's scale and minimum codes and steps)", q.size(0), K);
 }
 
-Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias,
-                 std::optional<int64_t> rows_out) {
-    TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
-    const int64_t R = x.size(0), K = x.size(1), R_out = rows_out.value_or(R);
-    TORCH_CHECK(1 <= R && R <= kMaxRows, "the 4-bit product kernel takes 1..", kMaxRows, " rows, got ", R);
-    TORCH_CHECK(R <= R_out && R_out <= kMaxRows, "rows_out must be in ", R, "..", kMaxRows, ", got ", R_out);
+// x [R, in] · Wᵀ (+ bias) through quant4.h's product, R_out rows out (past R: copies of row R - 1);
+// the callers have checked x's rank and row counts.
+static Tensor int4_product(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias,
+                           int64_t R_out) {
+    const int64_t R = x.size(0), K = x.size(1);
     check(x, "x", at::kBFloat16, {R, K});
     check_int4(q, sz, K);
     const int64_t N = q.size(0);
@@ -145,27 +144,26 @@ Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::
     Tensor y = at::empty({R_out, N}, x.options());
     const int status = selfspec_int4_gemv((const uint8_t*)q.data_ptr(), (const uint8_t*)sz.data_ptr(),
                                           (const uint16_t*)x.data_ptr(), (const uint16_t*)b, (uint16_t*)y.data_ptr(),
-                                          N, K, (int)R, (int)R_out, at::get_num_threads());
+                                          N, K, R, R_out, at::get_num_threads());
     TORCH_CHECK(status == 0, "the 4-bit product kernel refused ", R, " rows (status ", status, ")");
     return y;
 }
 
-// x [M, in] · Wᵀ (+ bias) for any number of rows through the 4-bit product kernel (quant4.h's
-// product): each row's result is int4_gemv's for that row alone, bit for bit.
+Tensor int4_gemv(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias,
+                 std::optional<int64_t> rows_out) {
+    TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
+    const int64_t R = x.size(0), R_out = rows_out.value_or(R);
+    TORCH_CHECK(1 <= R && R <= kMaxRows, "the 4-bit product kernel takes 1..", kMaxRows, " rows, got ", R);
+    TORCH_CHECK(R <= R_out && R_out <= kMaxRows, "rows_out must be in ", R, "..", kMaxRows, ", got ", R_out);
+    return int4_product(x, q, sz, bias, R_out);
+}
+
+// x [M, in] · Wᵀ (+ bias) for any number of rows through the same kernel: each row's result is
+// int4_gemv's for that row alone, bit for bit.
 Tensor int4_rows(const Tensor& x, const Tensor& q, const Tensor& sz, const std::optional<Tensor>& bias) {
     TORCH_CHECK(x.dim() == 2, "x must be [rows, in], got ", x.sizes());
-    const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK(M >= 1, "x has no rows");
-    check(x, "x", at::kBFloat16, {M, K});
-    check_int4(q, sz, K);
-    const int64_t N = q.size(0);
-    const void* b = optional_ptr(bias, bias.has_value(), "bias", at::kBFloat16, {N});
-    Tensor y = at::empty({M, N}, x.options());
-    const int status = selfspec_int4_gemv((const uint8_t*)q.data_ptr(), (const uint8_t*)sz.data_ptr(),
-                                          (const uint16_t*)x.data_ptr(), (const uint16_t*)b, (uint16_t*)y.data_ptr(),
-                                          N, K, M, M, at::get_num_threads());
-    TORCH_CHECK(status == 0, "the 4-bit product kernel refused ", M, " rows (status ", status, ")");
-    return y;
+    TORCH_CHECK(x.size(0) >= 1, "x has no rows");
+    return int4_product(x, q, sz, bias, x.size(0));
 }
 
 Tensor int4_dequantize(const Tensor& q, const Tensor& sz, bool bfloat16) {
