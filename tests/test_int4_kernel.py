@@ -170,21 +170,24 @@ def test_a_wrong_call_is_a_runtime_error():
         ops.int4_prefill(torch.randn(40, 64).bfloat16(), q, sz, torch.randn(48), 1 << 20)  # bias dtype differs
 
 
-# K of 18 and of 83 blocks (as above); 17 to 100 rows: sweeps of sixteen in passes of eight, and tails
+# K of 18 and of 83 blocks (as above); 17 to 250 rows: on AVX512-VNNI tiles of 4 outputs x 3 rows
+# with 1- and 2-row tails, and spans of rows (66 at 83 blocks); on AVX2, and for 198 outputs (not
+# a whole number of tiles), sweeps of sixteen rows in passes
+@pytest.mark.parametrize("out_features", [200, 198])
 @pytest.mark.parametrize("in_features", [576, 2656])
-def test_a_short_prefill_gives_each_row_its_one_row_result(in_features, path):
-    linear, g = _blocks(200, in_features, seed=3)
+def test_a_prefill_gives_each_row_its_one_row_result(in_features, out_features, path):
+    linear, g = _blocks(out_features, in_features, seed=3)
     q, sz = linear.packed, linear.scales_zeros
-    x = torch.randn(100, in_features, generator=g).bfloat16()
-    bias = torch.randn(200, generator=g).bfloat16()
-    alone = torch.cat([gemv.int4_linear(x[r:r + 1], q, sz, bias) for r in range(100)])
+    x = torch.randn(250, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    alone = torch.cat([gemv.int4_linear(x[r:r + 1], q, sz, bias) for r in range(250)])
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for rows in (17, 23, 64, 100):
+            for rows in (17, 23, 64, 100, 250):
                 got = gemv.int4_rows(x[:rows], q, sz, bias)
-                assert got.shape == (rows, 200) and got.dtype == torch.bfloat16
+                assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
                 assert torch.equal(got, alone[:rows])
     finally:
         torch.set_num_threads(threads)

@@ -296,28 +296,32 @@ def int4_dequantize(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torc
     return _STATE["lib"].int4_dequantize.default(q, sz, dtype == torch.bfloat16)
 
 
-INT4_ROWS = 64  # up to this many rows (a short prefill) the 4-bit products run the decode kernel (int4_rows)
+INT4_ROWS = 256  # up to this many rows the 4-bit products run the decode kernel's arithmetic (int4_rows) ...
+INT4_ROWS_AVX2 = 64  # ... and this many where they run on AVX2 (no AVX512-VNNI)
 
 
 def int4_rows_limit() -> int:
     """The most rows a 4-bit product runs through the decode kernel's integer arithmetic (`int4_rows`)
     rather than as a GEMM of dequantized tiles (`int4_prefill`): $SELFSPEC_INT4_ROWS (0: never),
-    else INT4_ROWS, and 0 on AMX CPUs, whose bfloat16 GEMM was not measured against it. On a 2-core
-    AMD EPYC (AVX512-VNNI, AVX512-BF16), each of Qwen2.5-Coder 0.5B's and 1.5B's layer shapes (random
-    blocks) took 0.55-0.74x the tiles' time at 32 rows, 0.74-0.95x at 64, 0.89-1.12x at 112 and
-    0.98-1.23x at 200; the AVX2 build 0.29-0.55x the float32 GEMM such CPUs run at 17-64 rows."""
+    else INT4_ROWS where the 4-bit products run AVX512-VNNI (their many-row tiles), INT4_ROWS_AVX2
+    on AVX2, and 0 on AMX CPUs, whose bfloat16 GEMM was not measured against it. On a 2-core AMD
+    EPYC (AVX512-VNNI, AVX512-BF16), Qwen2.5-Coder 1.5B's layer shapes (random blocks, 2 threads)
+    took 0.6-0.7x the tiles' time at 24-48 rows, 0.7-0.9x at 112-256 and 1.0x at 512; the AVX2
+    build 0.29-0.55x the float32 GEMM such CPUs run at 17-64 rows."""
     value = os.environ.get("SELFSPEC_INT4_ROWS", "").strip()
     if value:
         if not value.isdigit():
             raise ValueError(f"SELFSPEC_INT4_ROWS must be a whole number of rows (0: none), got {value!r}")
         return int(value)
-    return 0 if kernel_path() == "amx" else INT4_ROWS
+    path = kernel_path()
+    return 0 if path == "amx" else INT4_ROWS if int4_vnni(path) else INT4_ROWS_AVX2
 
 
 def int4_rows(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] bfloat16, any M, · Wᵀ (+ bias) for W as 4-bit blocks, through `int4_linear`'s kernel:
-    each row's result is that row's one-row call, bit for bit, whatever M (the weights stream from
-    memory once for all rows: each thread runs every row over its own output rows)."""
+    each row's result is that row's one-row call, bit for bit, whatever M (a few rows stream the
+    weights once for all of them; many rows go in register tiles of 4 outputs x 3 rows where the
+    CPU has AVX512-VNNI, kernels/quant4.h's `many`)."""
     return _STATE["lib"].int4_rows.default(x.contiguous(), q, sz, None if bias is None else bias.contiguous())
 
 
