@@ -16,8 +16,11 @@ def every_draft(monkeypatch):
     """Batches verify every draft (no row's draft dropped for a plain step), so the accept path runs."""
     from selfspec.core.batch import partition
 
-    monkeypatch.setattr(Scheduler, "_worth_drafting",
-                        lambda self, rows: (rows, partition([len(d) + 1 for *_, d in rows], self._cost(rows))))
+    def pays(self, rows, drafts):
+        cost = self._cost(rows)
+        return True, partition([n + 1 for n in drafts], cost), partition([1] * len(rows), cost)
+
+    monkeypatch.setattr(Scheduler, "_pays", pays)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -187,7 +190,10 @@ def test_partition_groups_rows_by_the_least_estimated_time():
 
 def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(tiny):
     """With a verify clock that makes each extra row cost a whole step, drafts cannot pay beside
-    other rows: the batch runs plain steps (greedy output unchanged); with rows nearly free they stay."""
+    other rows: the batch runs plain steps (greedy output unchanged), after the first drafts
+    without asking the drafters (but every PROBE_EVERY-th step), and a dropped draft teaches its
+    drafter nothing (no observe); with rows nearly free every draft is verified and observed."""
+    from selfspec.core.batch import PROBE_EVERY
     from selfspec.core.verify_clock import clock_for
 
     model = tiny("llama")
@@ -197,10 +203,25 @@ def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(ti
         clock.seconds = {n: 1.0 + per_row * (n - 1) for n in range(1, 33)}
         clock.add = lambda rows, seconds: None  # the set times stay
         runs = [model.prepare(p, fresh_drafter=True, method="lookup", draft_len=4, max_new_tokens=20) for p in PROMPTS[:3]]
+        calls = {"propose": 0, "observe": 0}
+        for run in runs:
+            for name in calls:
+                def counted(*args, _f=getattr(run.drafter, name), _name=name):
+                    calls[_name] += 1
+                    return _f(*args)
+                setattr(run.drafter, name, counted)
         scheduler = Scheduler(model.adapter, max_batch=3)
         outs = _submit(scheduler, runs)
+        steps = 0
         while scheduler.step():
-            pass
+            steps += 1
         assert [o["tokens"] for o in outs] == want
+        rounds = sum(run.stats.rounds for run in runs)
         assert (scheduler.totals.drafts_dropped > 0) == dropped
+        assert (scheduler.totals.drafting_skipped > 0) == dropped
+        if dropped:
+            assert calls["propose"] <= 3 * (1 + steps // PROBE_EVERY) < rounds
+            assert calls["observe"] < rounds
+        else:
+            assert calls["propose"] == calls["observe"] == rounds
         del clock.add

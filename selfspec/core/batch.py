@@ -2,7 +2,8 @@
 
 Each step the scheduler (1) admits waiting requests up to `max_batch` rows and prefills them,
 (2) lets every active row draft with its own drafter on its own cache, and drops the drafts where a
-plain step of every row is expected to commit more per second (`_worth_drafting`), (3) verifies the
+plain step of every row is expected to commit more per second (`_worth_drafting`; where drafts of
+the rows' recent lengths would be dropped, it does not ask for them: `_skip_drafting`), (3) verifies the
 rows' pending tokens + drafts in the fewest-seconds split into shared forwards (`partition`,
 `engine.verify_rows`; a lone row takes the single-sequence verify with its KV reuse; in exact mode
 only forwards that give each row its lone verify's bits), (4) runs the pure verifier per row and
@@ -36,6 +37,8 @@ from selfspec.core.verify_clock import clock_for
 from selfspec.native.fused_layer import ROWS
 
 log = logging.getLogger("selfspec.scheduler")
+PROPOSED_WEIGHT = 0.25  # a new draft's weight in Request.proposed, the moving average of its draft lengths
+PROBE_EVERY = 8  # steps: a batch that skips drafting (Scheduler._skip_drafting) drafts on every PROBE_EVERY-th
 
 
 class QueueFull(RuntimeError):
@@ -63,6 +66,7 @@ class Request:
     time_limit_s: float | None = None
     timed_out: bool = False  # it ended at time_limit_s
     prefix: object | None = None  # the PrefixStore its prefill starts from and its entries go to
+    proposed: float | None = None  # its drafter's recent draft lengths (a moving average), once it drafted in a batch
 
     def cancel(self) -> None:
         """Free this request's row at the next step boundary (a client went away)."""
@@ -89,6 +93,7 @@ class Totals:
     steps: int = 0  # verify forwards (a scheduler step runs one or more)
     rows: int = 0  # sum over steps of the rows verified together
     drafts_dropped: int = 0  # drafts a batch verified as plain steps (Scheduler._worth_drafting)
+    drafting_skipped: int = 0  # rows a batch stepped plain without drafting (Scheduler._skip_drafting)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -149,6 +154,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
+        self._step_count = 0
         # time.monotonic() when the loop last completed a step or found nothing to do: /health's
         # evidence that decoding moves (selfspec.serve.server).
         self.last_beat = time.monotonic()
@@ -181,9 +187,18 @@ class Scheduler:
         if not self.active:
             return False
         rows = [(r, d) for r, d in self.active if not d.done]
+        skip = self._skip_drafting(rows)
         drafts = []
         for request, seq in rows:
-            drafts.append(self._guard(request, seq, seq.draft))
+            if skip and not getattr(seq.drafter, "verify_alone", False):
+                drafts.append(seq.no_draft())
+                self.totals.drafting_skipped += 1
+                continue
+            draft = self._guard(request, seq, seq.draft)
+            if draft is not None and len(rows) > 1:
+                request.proposed = len(draft) if request.proposed is None else \
+                    PROPOSED_WEIGHT * len(draft) + (1 - PROPOSED_WEIGHT) * request.proposed
+            drafts.append(draft)
         rows = [(r, s, d) for (r, s), d in zip(rows, drafts) if d is not None]
         # Drafters that keep working on the cache while the verify runs (saguaro) need a verify
         # that touches only their own row's slots as a lone verify would: theirs run alone.
@@ -227,6 +242,37 @@ class Scheduler:
             if tokens is not None:
                 self._emit(request, seq, tokens)
 
+    def _skip_drafting(self, rows: list[tuple[Request, Decoding]]) -> bool:
+        """Whether this step's greedy rows that share forwards skip drafting: `_worth_drafting`
+        would drop drafts of their recent lengths (Request.proposed), so drafting them is time
+        spent for nothing. Every PROBE_EVERY-th step they draft anyway, so a row whose drafts grew
+        (a long match) is seen."""
+        self._step_count += 1
+        shared = [(r, s) for r, s in rows if not getattr(s.drafter, "verify_alone", False)]
+        if self._step_count % PROBE_EVERY == 0 or len(shared) < 2:
+            return False
+        if any(r.proposed is None or not r.sampling.greedy for r, _ in shared):
+            return False
+        lengths = [max(1, round(r.proposed)) for r, _ in shared]
+        return not self._pays(shared, lengths)[0]
+
+    def _pays(self, rows: list, drafts: list[int]) -> tuple[bool, list[list[int]], list[list[int]]]:
+        """(whether verifying drafts of these lengths is expected to commit more tokens per second
+        than a plain step of the rows, the split into shared forwards with them, the split without).
+        Expected tokens: each row's acceptance so far, a (Laplace's estimate), as 1 + a + a² + ...
+        over its draft; seconds: the model's verify clock. True where nothing was timed yet."""
+        cost = self._cost(rows)
+        lengths = [n + 1 for n in drafts]
+        parts, plain_parts = partition(lengths, cost), partition([1] * len(rows), cost)
+        spec, plain = _seconds(lengths, parts, cost), _seconds([1] * len(rows), plain_parts, cost)
+        if spec is None or plain is None:
+            return True, parts, plain_parts
+        expected = 0.0
+        for (_, seq, *_), n in zip(rows, drafts):
+            a = (seq.stats.accepted + 1) / (seq.stats.drafted + 2)
+            expected += sum(a ** j for j in range(n + 1))
+        return expected / spec >= len(rows) / plain, parts, plain_parts
+
     def _worth_drafting(self, rows: list) -> tuple[list, list[list[int]]]:
         """The rows, and their split into shared verify forwards (`partition`). Several greedy
         rows: their drafts kept where the tokens they are expected to commit per second of the
@@ -235,23 +281,14 @@ class Scheduler:
         (Laplace's estimate), as 1 + a + a² + ... over its draft; seconds: the model's verify clock.
         Drafts stay before any verify was timed, and where a row samples (a seeded row draws what
         it would alone)."""
-        cost = self._cost(rows)
-        lengths = [len(d) + 1 for *_, d in rows]
-        parts = partition(lengths, cost)
-        if len(rows) < 2 or max(lengths, default=1) == 1 or not all(r.sampling.greedy for r, *_ in rows):
+        drafts = [len(d) for *_, d in rows]
+        if len(rows) < 2 or max(drafts, default=0) == 0 or not all(r.sampling.greedy for r, *_ in rows):
+            return rows, partition([n + 1 for n in drafts], self._cost(rows))
+        keep, parts, plain_parts = self._pays(rows, drafts)
+        if keep:
             return rows, parts
-        plain_parts = partition([1] * len(rows), cost)
-        spec, plain = _seconds(lengths, parts, cost), _seconds([1] * len(rows), plain_parts, cost)
-        if spec is None or plain is None:
-            return rows, parts
-        expected = 0.0
-        for _, seq, draft in rows:
-            a = (seq.stats.accepted + 1) / (seq.stats.drafted + 2)
-            expected += sum(a ** j for j in range(len(draft) + 1))
-        if expected / spec >= len(rows) / plain:
-            return rows, parts
-        self.totals.drafts_dropped += sum(length > 1 for length in lengths)
-        return [(r, seq, Draft(tokens=d.tokens[:0])) for r, seq, d in rows], plain_parts
+        self.totals.drafts_dropped += sum(n > 0 for n in drafts)
+        return [(r, seq, Draft(tokens=d.tokens[:0], dropped=True)) for r, seq, d in rows], plain_parts
 
     def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
         """cost(members, n): the estimated seconds of one verify forward over these rows (indices

@@ -53,6 +53,9 @@ class Draft:
     # round commits at most one of them (verifier.verify_siblings). Only where the engine says
     # DraftContext.siblings.
     siblings: bool = False
+    # The drafter's proposal was not verified (a batch ran this round as a plain step, or never
+    # asked it): the round teaches the drafter nothing (no observe).
+    dropped: bool = False
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -172,6 +172,10 @@ class Decoding:
         self.stats.draft_s += time.perf_counter() - t - (self.stats.search_s - searched)
         return draft
 
+    def no_draft(self) -> Draft:
+        """2'. A plain round without asking the drafter (a batch expects a plain step to pay more)."""
+        return Draft(tokens=self.pending.new_empty(0), dropped=True)
+
     def _fit_siblings(self, draft: Draft, room: int) -> Draft:
         """A sibling draft as this sequence can verify it: alternatives in the slots short of the
         cache's scratch slot, and only where siblings run; else, greedy, its first alternative as
@@ -201,7 +205,8 @@ class Decoding:
         drafted = 1 if draft.siblings else len(draft)
         drafter = getattr(self.drafter, "drafted_by", self.drafter.name) if drafted else None
         self.stats.record_round(drafted, verdict.n_accepted, drafter)
-        self.drafter.observe(verdict.n_accepted)
+        if not draft.dropped:
+            self.drafter.observe(verdict.n_accepted)
         return self._commit(verdict.tokens, drafted, verdict.n_accepted, drafter)
 
     def stop_clock(self) -> None:

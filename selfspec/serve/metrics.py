@@ -69,6 +69,8 @@ COUNTERS = [
     ("verify_rounds", "Verify rounds over all requests", lambda s: s["rounds"]),
     ("batch_drafts_dropped", "Drafts a batch verified as plain steps, where a plain step of every row was expected "
      "to commit more per second", lambda s: s.get("drafts_dropped", 0)),
+    ("batch_drafting_skipped", "Rows a batch stepped plain without drafting, where drafts of their recent lengths "
+     "were expected to be dropped", lambda s: s.get("drafting_skipped", 0)),
     ("draft_seconds", "Time spent drafting", lambda s: s["draft_s"]),
     ("verify_seconds", "Time spent in verify forwards (once per batched forward)", lambda s: s["verify_s"]),
     ("prefill_seconds", "Time spent prefilling prompts", lambda s: s["prefill_s"]),
