@@ -251,6 +251,33 @@ def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n, path):
         assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_a_4_bit_prefill_runs_row_by_row_where_its_products_run_tiles(arch, path):
+    """With 4-bit weights whose products run many rows in tiles (AVX512-VNNI), a prefill of any
+    length runs through the fused layer in calls of fused_layer.INT4_ROWS rows (300 tokens: two):
+    every cache entry and the last hidden state are what one-token steps write, bit for bit. On
+    the AVX2 build the prefill keeps PyTorch's path (its own rounding)."""
+    model = _quantized(arch, "int4")
+    adapter = model.adapter
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(5))
+    calls = []
+    run = adapter.step.fused.run
+    adapter.step.fused.run = lambda h, *args, **kw: calls.append(h.shape[1]) or run(h, *args, **kw)
+    with torch.inference_mode():
+        whole, steps = adapter.new_cache(301), adapter.new_cache(301)
+        h = adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), 0, whole)
+        tiled = adapter.step.fused.chunk > fused_layer.ROWS
+        assert calls == ([fused_layer.INT4_ROWS, 300 - fused_layer.INT4_ROWS] if tiled else [])
+        for t in range(300):
+            last = adapter.run_layers(adapter.embed(ids[t:t + 1]), range(adapter.n_layers), t, steps, rowwise=True)
+    if not tiled:
+        return
+    assert gemv.int4_vnni(gemv.kernel_path())
+    assert torch.equal(h[0, -1], last[0, -1])
+    assert torch.equal(whole.keys[:, :, :, :300], steps.keys[:, :, :, :300])
+    assert torch.equal(whole.values[:, :, :, :300], steps.values[:, :, :, :300])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, "int4"])
 def test_exact_mode_batches_verifies_each_row_as_alone(dtype, path, monkeypatch):
     """Exact mode shares one verify forward among requests where the fused layer and a row-invariant

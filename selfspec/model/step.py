@@ -421,9 +421,13 @@ class LeanStep:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
         if self.fused is not None and n <= fused_layer.ROWS and not gemv.needs_grad(h):  # no padding there
             return self.fused.run(h, layers, start, cache, skip, siblings)
-        chunked = self.runs_rowwise(n) or (self.fused is not None and _chunks_pay(h, n))
-        if chunked and not siblings and not gemv.needs_grad(h):  # in calls of ROWS, as verifies
-            rows = fused_layer.ROWS
+        # 4-bit weights whose products run many rows in tiles: every prefill row by row (faster than
+        # PyTorch's path with those tiles, 0.83-0.97x its time on the Qwen2.5-Coder models' bench
+        # prompts of 40-918 tokens, 2-core AMD EPYC; and each row gets a decode step's bits).
+        tiled = self.fused is not None and self.fused.chunk > fused_layer.ROWS
+        chunked = self.runs_rowwise(n) or tiled or (self.fused is not None and _chunks_pay(h, n))
+        if chunked and not siblings and not gemv.needs_grad(h):  # in calls of ROWS (4-bit weights: more), as verifies
+            rows = self.fused.chunk
             return torch.cat([self.fused.run(h[:, i:i + rows], layers, start + i, cache, skip)
                               for i in range(0, n, rows)], dim=1)
         if siblings:

@@ -11,7 +11,9 @@ Exactness by construction: each row's arithmetic is its own, in one fixed order,
 number of rows in the call or the thread count (products four rows at a time as selfspec.native.gemv,
 attention one row and head at a time over that row's own keys). So every decode forward (AR step,
 draft, verify of up to ROWS rows) gives a row the same bits, with no padding to a row bucket; the
-prefill (more rows) runs PyTorch's path, the same for AR and speculation.
+prefill (more rows) runs PyTorch's path, the same for AR and speculation, except with 4-bit weights
+whose products run many rows in tiles (AVX512-VNNI): those prefill here too, INT4_ROWS rows a call,
+each row a decode step's bits.
 
 Where it runs: pre-norm (Llama, Qwen2, Qwen3) and sandwich (Gemma 3) layers with SiLU or tanh-GELU,
 rotary over the whole head, bfloat16, int8, float32 or int4 weights (selfspec's 4-bit blocks,
@@ -29,6 +31,7 @@ import torch
 from selfspec.native import gemv
 
 ROWS = gemv.MAX_ROWS  # the most rows a fused call takes; more (a prefill) run PyTorch's path
+INT4_ROWS = 256  # with 4-bit weights (entry.h's INT4_LAYER_ROWS): a prefill's chunk, through the 4-bit many-row tiles
 DTYPES = {torch.bfloat16: 0, torch.int8: 1, torch.float32: 2, torch.uint8: 3}  # weight dtype -> the kernel's code (uint8: 4-bit blocks)
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
@@ -76,6 +79,10 @@ class FusedLayers:
             norms = list(lw.norms) if shape.sandwich else [lw.norms[0], None, lw.norms[1], None]
             q_norm, k_norm = lw.qk_norms or (None, None)
             self.weights.append([lw.wqkv, lw.bqkv, lw.wo, lw.wgu, lw.wd, *scales, *norms, q_norm, k_norm])
+        # Rows a call of a longer forward (a prefill run row by row) takes: with 4-bit weights where
+        # their products run many rows in register tiles (AVX512-VNNI), INT4_ROWS; else ROWS.
+        blocks = step.weights[0].wqkv.dtype == torch.uint8
+        self.chunk = INT4_ROWS if blocks and gemv.int4_vnni(gemv.kernel_path()) else ROWS
 
     def run(self, h: torch.Tensor, layers, start: int, cache, skip, siblings: bool = False) -> torch.Tensor:
         """h [1, n, hidden] (n <= ROWS) through `layers` at positions start .., as LeanStep.run.

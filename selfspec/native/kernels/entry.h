@@ -45,6 +45,8 @@ int selfspec_gemv_int8(const int8_t* W, const uint16_t* scale, const uint16_t* x
 
 // 4-bit blocks (quant4.h): blocks of 32 inputs in groups of 16, each group's scales a record of 38 bytes.
 constexpr long INT4_GROUP = 16, INT4_RECORD = 2 * INT4_GROUP + 6;
+// The most rows a fused-layer call takes with 4-bit weights (a prefill's chunk); other weights take product.h's MAX_ROWS.
+constexpr int INT4_LAYER_ROWS = 256;
 static inline long int4_groups(long K) { return (K / 32 + INT4_GROUP - 1) / INT4_GROUP; }
 
 // y [R_out, N] = x [R, K] · Wᵀ (+ bias [N]) for W as 4-bit blocks of 32 (quant4.h: Q [N, K / 32, 16] nibbles,

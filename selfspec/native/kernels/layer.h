@@ -409,7 +409,8 @@ static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span*
                        const E* cos, const E* sin, int do_attn, int do_mlp, int threads, int siblings = 0) {
     const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
     const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
-    if (n < 1 || n > MAX_ROWS || hd % 16 || hd > 512 || H % 8 || I % 8 || nspans < 1 || n % nspans) return 1;
+    const int most = std::is_same_v<T, uint8_t> ? INT4_LAYER_ROWS : MAX_ROWS;  // 4-bit products take any rows
+    if (n < 1 || n > most || hd % 16 || hd > 512 || H % 8 || I % 8 || nspans < 1 || n % nspans) return 1;
     const int per = n / nspans;
     if (siblings && nspans > 1) return 1;
     for (int s = 0; s < nspans; s++)
@@ -417,10 +418,10 @@ static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span*
     const long widest = std::max(std::max(H, I), qdim);
     static thread_local std::vector<E> work;
     static thread_local std::vector<float> X;
-    // Sized for MAX_ROWS once, so calls alternating between 1 and n rows (draft, verify) neither
-    // reallocate nor zero-fill the buffers.
+    // Sized for MAX_ROWS once (or a longer prefill chunk's rows), so calls alternating between 1 and
+    // n rows (draft, verify) neither reallocate nor zero-fill the buffers.
     const size_t per_row = H + qkv_dim + qdim + H + 3 * I;
-    if (work.size() < MAX_ROWS * per_row) work.resize(MAX_ROWS * per_row);
+    if (work.size() < std::max(n, MAX_ROWS) * per_row) work.resize(std::max(n, MAX_ROWS) * per_row);
     if (X.size() < (size_t)(4 * widest)) X.resize(4 * widest);
     E *x = work.data(), *qkv = x + n * H, *o = qkv + n * qkv_dim, *a = o + n * qdim, *gu = a + n * H, *act = gu + 2 * n * I;
     const bool gemma = d.sandwich;

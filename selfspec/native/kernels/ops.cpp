@@ -231,7 +231,8 @@ static int layer_weights(const Tensor& x, const std::vector<std::optional<Tensor
     const int64_t n = x.size(0), H = x.size(1);
     const int64_t I = int4 ? wd.size(1) * 32 : wd.size(1);
     const int64_t qdim = heads * hd, qkv_dim = (heads + 2 * nkv) * hd;
-    TORCH_CHECK(1 <= n && n <= kMaxRows, "the fused layer takes 1..", kMaxRows, " rows, got ", n);
+    const int64_t most = int4 ? INT4_LAYER_ROWS : kMaxRows;
+    TORCH_CHECK(1 <= n && n <= most, "the fused layer takes 1..", most, " rows with these weights, got ", n);
     TORCH_CHECK(heads >= 1 && nkv >= 1 && heads % nkv == 0, heads, " heads do not group over ", nkv, " KV heads");
     TORCH_CHECK(hd % 16 == 0 && hd <= 512 && H % 8 == 0 && I % 8 == 0, "head size ", hd, " (a multiple of 16, <= 512), "
                 "hidden ", H, " and MLP ", I, " sizes (multiples of 8) the fused layer does not take");
