@@ -128,6 +128,16 @@ constexpr const char* PATH = "avx512-vnni";
 
 constexpr int STATE = 16;  // floats of a row's sums per output (16 lanes)
 
+// A group's record as vectors: lane l holds block l's scale and minimum (a part-filled group's
+// padding lanes: 0), the scale its code times the step (exact), the minimum its code times the
+// minimum step plus the base in one FMA.
+static inline void group_scales(const uint8_t* s, __m512& scale, __m512& minimum) {
+    scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)s))),
+                          _mm512_set1_ps(record_value(s, SCALE_STEP)));
+    minimum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + GROUP)))),
+                              _mm512_set1_ps(record_value(s, MIN_STEP)), _mm512_set1_ps(record_value(s, MIN_BASE)));
+}
+
 // Groups ga..gb-1 of output row j for R prepared rows, added to their sums in `state` (row r at
 // r · STATE). One output row at a time: interleaving two or four (each row's x loaded once for
 // them) measured slower, 1.2x the time for one row on a 2-core AMD EPYC (Qwen2.5-Coder 1.5B's
@@ -163,12 +173,8 @@ static inline void rows(const uint8_t* Q, const uint8_t* S, const Prepared* X, f
                 acc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r], lo, xl), hi, xh);
             }
         }
-        // lane l: block l's scale and minimum (a part-filled group's padding lanes: 0)
-        const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)s))),
-                                           _mm512_set1_ps(record_value(s, SCALE_STEP)));
-        const __m512 minimum = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + GROUP)))),
-            _mm512_set1_ps(record_value(s, MIN_STEP)), _mm512_set1_ps(record_value(s, MIN_BASE)));
+        __m512 scale, minimum;
+        group_scales(s, scale, minimum);
         for (int r = 0; r < R; r++) {
             const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[r].d(gi)));
             dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), step, dot[r]);
@@ -290,13 +296,8 @@ static inline void tile(const uint8_t* Q, const uint8_t* S, const Prepared* X, l
                 }
             }
         for (int a = 0; a < J; a++) {
-            const uint8_t* s = S + ((j + a) * G + gi) * RECORD;
-            const __m512 scale = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)s))),
-                _mm512_set1_ps(record_value(s, SCALE_STEP)));
-            const __m512 minimum = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(s + GROUP)))),
-                _mm512_set1_ps(record_value(s, MIN_STEP)), _mm512_set1_ps(record_value(s, MIN_BASE)));
+            __m512 scale, minimum;
+            group_scales(S + ((j + a) * G + gi) * RECORD, scale, minimum);
             for (int t = 0; t < T; t++) {
                 const __m512 step = _mm512_mul_ps(scale, _mm512_loadu_ps(X[t].d(gi)));
                 dot[a][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[a][t]), step, dot[a][t]);
