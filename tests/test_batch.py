@@ -16,11 +16,8 @@ def every_draft(monkeypatch):
     """Batches verify every draft (no row's draft dropped for a plain step), so the accept path runs."""
     from selfspec.core.batch import partition
 
-    def pays(self, rows, drafts):
-        cost = self._cost(rows)
-        return True, partition([n + 1 for n in drafts], cost), partition([1] * len(rows), cost)
-
-    monkeypatch.setattr(Scheduler, "_pays", pays)
+    monkeypatch.setattr(Scheduler, "_choose", lambda self, rows, drafts: (
+        {i for i, n in enumerate(drafts) if n}, partition([n + 1 for n in drafts], self._cost(rows))))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -186,6 +183,29 @@ def test_partition_groups_rows_by_the_least_estimated_time():
     unknown = partition([3, 1, 3, 1, 5], lambda m, n: None)  # nothing timed: equal lengths share
     assert sorted(map(sorted, unknown)) == [[0, 2], [1, 3], [4]]
     assert partition([], linear) == []
+
+
+def test_a_batch_keeps_the_drafts_that_pay_and_drops_the_rest(monkeypatch):
+    """Per row: beside two rows whose drafts are rarely accepted, the row whose drafts usually are
+    keeps its draft (verified in its own forward), the others step plain; with every row's drafts
+    accepted as rarely, none is kept; before anything was timed, all are."""
+    from types import SimpleNamespace
+
+    def row(accepted, drafted):
+        return (None, SimpleNamespace(stats=SimpleNamespace(accepted=accepted, drafted=drafted)), None)
+
+    def linear(members, n):  # a step, plus a tenth of a step a row
+        return 1 + 0.1 * (len(members) * n - 1)
+
+    scheduler = Scheduler(adapter=None)
+    monkeypatch.setattr(Scheduler, "_cost", lambda self, rows: linear)
+    keep, parts = scheduler._choose([row(1, 20), row(90, 100), row(1, 20)], [8, 8, 8])
+    assert keep == {1} and sorted(map(sorted, parts)) == [[0, 2], [1]]
+    keep, parts = scheduler._choose([row(1, 20), row(2, 20), row(1, 20)], [8, 8, 8])
+    assert keep == set() and parts == [[0, 1, 2]]
+    monkeypatch.setattr(Scheduler, "_cost", lambda self, rows: lambda members, n: None)
+    keep, _ = scheduler._choose([row(1, 20), row(90, 100), row(1, 20)], [8, 0, 8])
+    assert keep == {0, 2}
 
 
 def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(tiny):

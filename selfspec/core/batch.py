@@ -1,9 +1,10 @@
 """Continuous batching: many sequences decoded together, their drafts verified in shared forwards.
 
 Each step the scheduler (1) admits waiting requests up to `max_batch` rows and prefills them,
-(2) lets every active row draft with its own drafter on its own cache, and drops the drafts where a
-plain step of every row is expected to commit more per second (`_worth_drafting`; where drafts of
-the rows' recent lengths would be dropped, it does not ask for them: `_skip_drafting`), (3) verifies the
+(2) lets every active row draft with its own drafter on its own cache, and keeps the drafts that
+are expected to commit the most tokens per second, dropping the others for plain steps of their
+rows (`_worth_drafting`, `_choose`; where drafts of a row's recent length would be dropped, it does
+not ask for them: `_skip_drafting`), (3) verifies the
 rows' pending tokens + drafts in the fewest-seconds split into shared forwards (`partition`,
 `engine.verify_rows`; a lone row takes the single-sequence verify with its KV reuse; in exact mode
 only forwards that give each row its lone verify's bits), (4) runs the pure verifier per row and
@@ -190,7 +191,7 @@ class Scheduler:
         skip = self._skip_drafting(rows)
         drafts = []
         for request, seq in rows:
-            if skip and not getattr(seq.drafter, "verify_alone", False):
+            if id(seq) in skip:
                 drafts.append(seq.no_draft())
                 self.totals.drafting_skipped += 1
                 continue
@@ -242,53 +243,58 @@ class Scheduler:
             if tokens is not None:
                 self._emit(request, seq, tokens)
 
-    def _skip_drafting(self, rows: list[tuple[Request, Decoding]]) -> bool:
-        """Whether this step's greedy rows that share forwards skip drafting: `_worth_drafting`
-        would drop drafts of their recent lengths (Request.proposed), so drafting them is time
-        spent for nothing. Every PROBE_EVERY-th step they draft anyway, so a row whose drafts grew
-        (a long match) is seen."""
+    def _skip_drafting(self, rows: list[tuple[Request, Decoding]]) -> set[int]:
+        """The rows (ids of their Decodings) that skip drafting this step: greedy rows sharing
+        forwards whose drafts of their recent lengths (Request.proposed) `_choose` would drop, so
+        drafting them is time spent for nothing. Every PROBE_EVERY-th step all draft, so a row whose
+        drafts grew (a long match) is seen."""
         self._step_count += 1
         shared = [(r, s) for r, s in rows if not getattr(s.drafter, "verify_alone", False)]
         if self._step_count % PROBE_EVERY == 0 or len(shared) < 2:
-            return False
+            return set()
         if any(r.proposed is None or not r.sampling.greedy for r, _ in shared):
-            return False
-        lengths = [max(1, round(r.proposed)) for r, _ in shared]
-        return not self._pays(shared, lengths)[0]
+            return set()
+        keep, _ = self._choose(shared, [max(1, round(r.proposed)) for r, _ in shared])
+        return {id(s) for i, (_, s) in enumerate(shared) if i not in keep}
 
-    def _pays(self, rows: list, drafts: list[int]) -> tuple[bool, list[list[int]], list[list[int]]]:
-        """(whether verifying drafts of these lengths is expected to commit more tokens per second
-        than a plain step of the rows, the split into shared forwards with them, the split without).
-        Expected tokens: each row's acceptance so far, a (Laplace's estimate), as 1 + a + a² + ...
-        over its draft; seconds: the model's verify clock. True where nothing was timed yet."""
+    def _choose(self, rows: list, drafts: list[int]) -> tuple[set[int], list[list[int]]]:
+        """(the rows, by index, whose drafts of these lengths to verify, the split of all rows into
+        shared forwards with them): the set expected to commit the most tokens per second. Rows
+        ranked by expected extra tokens per draft token; each head of that ranking (all, all but
+        the last, ..., none) split by `partition` and timed by the model's verify clock. Expected
+        tokens: each row's acceptance so far, a (Laplace's estimate), as 1 + a + a² + ... over its
+        draft. Every draft where nothing was timed yet."""
         cost = self._cost(rows)
-        lengths = [n + 1 for n in drafts]
-        parts, plain_parts = partition(lengths, cost), partition([1] * len(rows), cost)
-        spec, plain = _seconds(lengths, parts, cost), _seconds([1] * len(rows), plain_parts, cost)
-        if spec is None or plain is None:
-            return True, parts, plain_parts
-        expected = 0.0
+        gain = []
         for (_, seq, *_), n in zip(rows, drafts):
             a = (seq.stats.accepted + 1) / (seq.stats.drafted + 2)
-            expected += sum(a ** j for j in range(n + 1))
-        return expected / spec >= len(rows) / plain, parts, plain_parts
+            gain.append(sum(a ** j for j in range(n + 1)))
+        ranked = sorted((i for i, n in enumerate(drafts) if n), key=lambda i: (gain[i] - 1) / drafts[i], reverse=True)
+        best = None
+        for k in range(len(ranked), -1, -1):  # every draft first: a tie keeps them
+            keep = set(ranked[:k])
+            lengths = [drafts[i] + 1 if i in keep else 1 for i in range(len(rows))]
+            parts = partition(lengths, cost)
+            seconds = _seconds(lengths, parts, cost)
+            if seconds is None:
+                return keep, parts
+            rate = sum(gain[i] if i in keep else 1.0 for i in range(len(rows))) / seconds
+            if best is None or rate > best[0]:
+                best = (rate, keep, parts)
+        return best[1], best[2]
 
     def _worth_drafting(self, rows: list) -> tuple[list, list[list[int]]]:
         """The rows, and their split into shared verify forwards (`partition`). Several greedy
-        rows: their drafts kept where the tokens they are expected to commit per second of the
-        forwards they need beat one plain step of them all, else every draft dropped (the batch
-        already fills the rows a draft would add). Expected tokens: each row's acceptance so far, a
-        (Laplace's estimate), as 1 + a + a² + ... over its draft; seconds: the model's verify clock.
-        Drafts stay before any verify was timed, and where a row samples (a seeded row draws what
-        it would alone)."""
+        rows: the drafts `_choose` picks are kept, the others dropped (a plain step of those rows:
+        the batch already fills the rows a draft would add). Drafts stay before any verify was
+        timed, and where a row samples (a seeded row draws what it would alone)."""
         drafts = [len(d) for *_, d in rows]
         if len(rows) < 2 or max(drafts, default=0) == 0 or not all(r.sampling.greedy for r, *_ in rows):
             return rows, partition([n + 1 for n in drafts], self._cost(rows))
-        keep, parts, plain_parts = self._pays(rows, drafts)
-        if keep:
-            return rows, parts
-        self.totals.drafts_dropped += sum(n > 0 for n in drafts)
-        return [(r, seq, Draft(tokens=d.tokens[:0], dropped=True)) for r, seq, d in rows], plain_parts
+        keep, parts = self._choose(rows, drafts)
+        self.totals.drafts_dropped += sum(1 for i, n in enumerate(drafts) if n and i not in keep)
+        return [(r, seq, d if i in keep or not len(d) else Draft(tokens=d.tokens[:0], dropped=True))
+                for i, (r, seq, d) in enumerate(rows)], parts
 
     def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
         """cost(members, n): the estimated seconds of one verify forward over these rows (indices
