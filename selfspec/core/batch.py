@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.model.adapter import ModelAdapter
-from selfspec.core.draft import Draft, Drafter
+from selfspec.core.draft import Drafter
 from selfspec.core.engine import Decoding, verify_forward, verify_rows
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.stats import GenerationStats, add_counts
@@ -68,6 +68,11 @@ class Request:
     timed_out: bool = False  # it ended at time_limit_s
     prefix: object | None = None  # the PrefixStore its prefill starts from and its entries go to
     proposed: float | None = None  # its drafter's recent draft lengths (a moving average), once it drafted in a batch
+
+    def note_draft(self, tokens: int) -> None:
+        """A draft of this many tokens was proposed in a batch: into `proposed`'s moving average."""
+        self.proposed = tokens if self.proposed is None else \
+            PROPOSED_WEIGHT * tokens + (1 - PROPOSED_WEIGHT) * self.proposed
 
     def cancel(self) -> None:
         """Free this request's row at the next step boundary (a client went away)."""
@@ -142,6 +147,12 @@ def _seconds(lengths: list[int], groups: list[list[int]], cost: Callable[[list[i
     return None if None in times else sum(times)
 
 
+def _verifies_alone(seq: Decoding) -> bool:
+    """Drafters that keep working on the cache while the verify runs (saguaro) need a verify that
+    touches only their own row's slots as a lone verify would: theirs run alone."""
+    return getattr(seq.drafter, "verify_alone", False)
+
+
 class Scheduler:
     def __init__(self, adapter: ModelAdapter, *, max_batch: int = 8, max_queue: int = 32, max_draft: int = 16):
         """max_batch: rows decoded together; max_queue: requests waiting for a row beyond that
@@ -188,27 +199,20 @@ class Scheduler:
         if not self.active:
             return False
         rows = [(r, d) for r, d in self.active if not d.done]
-        skip = self._skip_drafting(rows)
-        drafts = []
+        skip = self._skip_drafting([row for row in rows if not _verifies_alone(row[1])])
+        drafted = []
         for request, seq in rows:
             if id(seq) in skip:
-                drafts.append(seq.no_draft())
+                draft = seq.no_draft()
                 self.totals.drafting_skipped += 1
-                continue
-            draft = self._guard(request, seq, seq.draft)
-            if draft is not None and len(rows) > 1:
-                request.proposed = len(draft) if request.proposed is None else \
-                    PROPOSED_WEIGHT * len(draft) + (1 - PROPOSED_WEIGHT) * request.proposed
-            drafts.append(draft)
-        rows = [(r, s, d) for (r, s), d in zip(rows, drafts) if d is not None]
-        # Drafters that keep working on the cache while the verify runs (saguaro) need a verify
-        # that touches only their own row's slots as a lone verify would: theirs run alone.
-        groups, shared = [], []
-        for row in rows:
-            if getattr(row[1].drafter, "verify_alone", False):
-                groups.append([row])
             else:
-                shared.append(row)
+                draft = self._guard(request, seq, seq.draft)
+                if draft is not None and len(rows) > 1:
+                    request.note_draft(len(draft))
+            if draft is not None:
+                drafted.append((request, seq, draft))
+        groups = [[row] for row in drafted if _verifies_alone(row[1])]
+        shared = [row for row in drafted if not _verifies_alone(row[1])]
         shared, parts = self._worth_drafting(shared)
         groups += [[shared[i] for i in part] for part in parts]
         for group in groups:
@@ -244,18 +248,17 @@ class Scheduler:
                 self._emit(request, seq, tokens)
 
     def _skip_drafting(self, rows: list[tuple[Request, Decoding]]) -> set[int]:
-        """The rows (ids of their Decodings) that skip drafting this step: greedy rows sharing
-        forwards whose drafts of their recent lengths (Request.proposed) `_choose` would drop, so
+        """Of the rows that share forwards, those (ids of their Decodings) that skip drafting this
+        step: greedy rows whose drafts of their recent lengths (Request.proposed) `_choose` would drop, so
         drafting them is time spent for nothing. Every PROBE_EVERY-th step all draft, so a row whose
         drafts grew (a long match) is seen."""
         self._step_count += 1
-        shared = [(r, s) for r, s in rows if not getattr(s.drafter, "verify_alone", False)]
-        if self._step_count % PROBE_EVERY == 0 or len(shared) < 2:
+        if self._step_count % PROBE_EVERY == 0 or len(rows) < 2:
             return set()
-        if any(r.proposed is None or not r.sampling.greedy for r, _ in shared):
+        if any(r.proposed is None or not r.sampling.greedy for r, _ in rows):
             return set()
-        keep, _ = self._choose(shared, [max(1, round(r.proposed)) for r, _ in shared])
-        return {id(s) for i, (_, s) in enumerate(shared) if i not in keep}
+        keep, _ = self._choose(rows, [max(1, round(r.proposed)) for r, _ in rows])
+        return {id(s) for i, (_, s) in enumerate(rows) if i not in keep}
 
     def _choose(self, rows: list, drafts: list[int]) -> tuple[set[int], list[list[int]]]:
         """(the rows, by index, whose drafts of these lengths to verify, the split of all rows into
@@ -293,8 +296,7 @@ class Scheduler:
             return rows, partition([n + 1 for n in drafts], self._cost(rows))
         keep, parts = self._choose(rows, drafts)
         self.totals.drafts_dropped += sum(1 for i, n in enumerate(drafts) if n and i not in keep)
-        return [(r, seq, d if i in keep or not len(d) else Draft(tokens=d.tokens[:0], dropped=True))
-                for i, (r, seq, d) in enumerate(rows)], parts
+        return [(r, seq, d if i in keep or not len(d) else seq.no_draft()) for i, (r, seq, d) in enumerate(rows)], parts
 
     def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
         """cost(members, n): the estimated seconds of one verify forward over these rows (indices

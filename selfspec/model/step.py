@@ -52,10 +52,16 @@ from selfspec.model.quantize import Int4Linear, Int4Slice, Int8Linear, int4_line
 PREFILL_CHUNKS = int(os.environ.get("SELFSPEC_PREFILL_CHUNKS", "40"))
 
 
-def _chunks_pay(h: torch.Tensor, n: int) -> bool:
-    """Whether n rows of h (more than one fused call takes) run faster as fused calls of 16."""
-    return (n <= PREFILL_CHUNKS and h.dtype == torch.bfloat16 and not gemv.needs_grad(h)
-            and not gemv.native_bfloat16())
+def _chunks_pay(h: torch.Tensor, n: int, chunk: int) -> bool:
+    """Whether n rows of h (more than one fused call takes) run faster as fused calls of `chunk`
+    rows than PyTorch's path: always where 4-bit weights' products run many rows in tiles (chunk >
+    fused_layer.ROWS: 0.83-0.97x the time of PyTorch's path with those tiles on the Qwen2.5-Coder
+    models' bench prompts of 40-918 tokens, 2-core AMD EPYC; and each row gets a decode step's
+    bits), else up to PREFILL_CHUNKS bfloat16 rows where the CPU emulates bfloat16 GEMMs."""
+    if gemv.needs_grad(h):
+        return False
+    return chunk > fused_layer.ROWS or (n <= PREFILL_CHUNKS and h.dtype == torch.bfloat16
+                                        and not gemv.native_bfloat16())
 
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -421,11 +427,7 @@ class LeanStep:
             raise IndexError(f"KV cache holds {slot} positions; a write up to {start + n} does not fit")
         if self.fused is not None and n <= fused_layer.ROWS and not gemv.needs_grad(h):  # no padding there
             return self.fused.run(h, layers, start, cache, skip, siblings)
-        # 4-bit weights whose products run many rows in tiles: every prefill row by row (faster than
-        # PyTorch's path with those tiles, 0.83-0.97x its time on the Qwen2.5-Coder models' bench
-        # prompts of 40-918 tokens, 2-core AMD EPYC; and each row gets a decode step's bits).
-        tiled = self.fused is not None and self.fused.chunk > fused_layer.ROWS
-        chunked = self.runs_rowwise(n) or tiled or (self.fused is not None and _chunks_pay(h, n))
+        chunked = self.runs_rowwise(n) or (self.fused is not None and _chunks_pay(h, n, self.fused.chunk))
         if chunked and not siblings and not gemv.needs_grad(h):  # in calls of ROWS (4-bit weights: more), as verifies
             rows = self.fused.chunk
             return torch.cat([self.fused.run(h[:, i:i + rows], layers, start + i, cache, skip)

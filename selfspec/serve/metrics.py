@@ -67,8 +67,8 @@ COUNTERS = [
     ("draft_tokens", "Draft tokens proposed", lambda s: s["drafted"]),
     ("accepted_tokens", "Draft tokens accepted", lambda s: s["accepted"]),
     ("verify_rounds", "Verify rounds over all requests", lambda s: s["rounds"]),
-    ("batch_drafts_dropped", "Drafts a batch verified as plain steps, where a plain step of every row was expected "
-     "to commit more per second", lambda s: s.get("drafts_dropped", 0)),
+    ("batch_drafts_dropped", "Drafts a batch verified as plain steps, where dropping them was expected to commit "
+     "more tokens per second", lambda s: s.get("drafts_dropped", 0)),
     ("batch_drafting_skipped", "Rows a batch stepped plain without drafting, where drafts of their recent lengths "
      "were expected to be dropped", lambda s: s.get("drafting_skipped", 0)),
     ("draft_seconds", "Time spent drafting", lambda s: s["draft_s"]),

@@ -367,40 +367,13 @@ static void span(const uint8_t* Q, const uint8_t* S, const Prepared* X, const ui
     }
 }
 
-// y [R_out, N] for R rows of x, any number (rows past R copy row R - 1: exact mode's padding).
-// The rows go in sweeps of SWEEP over W; in a sweep each thread takes whole tasks of TASK output
+// Prepared rows in sweeps of SWEEP over W; in a sweep each thread takes whole tasks of TASK output
 // rows and runs every pass of up to PASS rows over them, so a task's weights come from memory once
 // a sweep and from cache for its later passes (16 rows: 0.64x the time of two passes each streaming
 // W, and a 128-row prefill 0.78x the time of whole-R sweeps, whose prepared rows leave L2;
-// Qwen2.5-Coder 1.5B's shapes on a 2-core AMD EPYC). A row's arithmetic is the same in every pass,
-// sweep and call (`rows`, sums in group order), so row r of any call equals the one-row call's bit
-// for bit.
-static int product(const uint8_t* Q, const uint8_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* Y, long N,
-                   long K, long R, long R_out, int threads) {
-    if (R < 1 || R_out < R || K % BLOCK) return 1;
-    static thread_local std::vector<uint8_t> work;  // the prepared rows, kept between calls
-    static thread_local std::vector<Prepared> X;
-    const size_t per_row = groups_of(K) * PREPARED_BYTES;
-    if (work.size() < R * per_row) work.resize(R * per_row);
-    if ((long)X.size() < R) X.resize(R);
-    Prepared* Xs = X.data();
-    uint8_t* base = work.data();
-    if (R <= PASS)  // a decode step's rows: not worth a parallel region
-        for (long r = 0; r < R; r++) Xs[r] = prepare(x + r * K, K, base + r * per_row);
-    else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (long r = 0; r < R; r++) Xs[r] = prepare(x + r * K, K, base + r * per_row);
-    }
-#if INT4_VNNI
-    // More rows than a verify's (a prefill): the tiles (Qwen2.5-Coder 1.5B's layer shapes, 2 threads
-    // of an AMD EPYC: 0.7-0.8x the sweeps' time at 64-256 rows; at 6-16 rows the sweeps, which
-    // stream W once, matched or beat them).
-    if (R > MANY_ROWS && N % TILE_J == 0) {
-        many(Q, S, Xs, bias, Y, N, K, R, threads);
-        for (long r = R; r < R_out; r++) memcpy(Y + r * N, Y + (R - 1) * N, N * sizeof(uint16_t));
-        return 0;
-    }
-#endif
+// Qwen2.5-Coder 1.5B's shapes on a 2-core AMD EPYC).
+static void sweeps(const uint8_t* Q, const uint8_t* S, const Prepared* Xs, const uint16_t* bias, uint16_t* Y,
+                   long N, long K, long R, int threads) {
     const long tasks = (N + TASK - 1) / TASK;
     for (long c0 = 0; c0 < R; c0 += SWEEP) {
         const long c1 = std::min(R, c0 + SWEEP);
@@ -425,6 +398,37 @@ static int product(const uint8_t* Q, const uint8_t* S, const uint16_t* x, const 
             }
         }
     }
+}
+
+// y [R_out, N] for R rows of x, any number (rows past R copy row R - 1: exact mode's padding):
+// the rows prepared, then `sweeps` (a decode forward's few) or, on AVX512-VNNI, `many` (more). A
+// row's arithmetic is the same in every pass, sweep, tile and call (`rows` and `tile`, sums in
+// group order), so row r of any call equals the one-row call's bit for bit.
+static int product(const uint8_t* Q, const uint8_t* S, const uint16_t* x, const uint16_t* bias, uint16_t* Y, long N,
+                   long K, long R, long R_out, int threads) {
+    if (R < 1 || R_out < R || K % BLOCK) return 1;
+    static thread_local std::vector<uint8_t> work;  // the prepared rows, kept between calls
+    static thread_local std::vector<Prepared> X;
+    const size_t per_row = groups_of(K) * PREPARED_BYTES;
+    if (work.size() < R * per_row) work.resize(R * per_row);
+    if ((long)X.size() < R) X.resize(R);
+    Prepared* Xs = X.data();
+    uint8_t* base = work.data();
+    if (R <= PASS)  // a decode step's rows: not worth a parallel region
+        for (long r = 0; r < R; r++) Xs[r] = prepare(x + r * K, K, base + r * per_row);
+    else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long r = 0; r < R; r++) Xs[r] = prepare(x + r * K, K, base + r * per_row);
+    }
+#if INT4_VNNI
+    // More rows than a verify's (a prefill): the tiles (Qwen2.5-Coder 1.5B's layer shapes, 2 threads
+    // of an AMD EPYC: 0.7-0.8x the sweeps' time at 64-256 rows; at 6-16 rows the sweeps, which
+    // stream W once, matched or beat them).
+    if (R > MANY_ROWS && N % TILE_J == 0)
+        many(Q, S, Xs, bias, Y, N, K, R, threads);
+    else
+#endif
+        sweeps(Q, S, Xs, bias, Y, N, K, R, threads);
     for (long r = R; r < R_out; r++) memcpy(Y + r * N, Y + (R - 1) * N, N * sizeof(uint16_t));
     return 0;
 }
