@@ -231,7 +231,7 @@ class Scheduler:
         t = time.perf_counter()
         if len(rows) == 1:
             _, seq, draft = rows[0]
-            logits = [verify_forward(self.adapter, seq.cache, seq.pending, draft, seq.start)]
+            logits = [verify_forward(self.adapter, seq.cache, seq.pending, draft, seq.start, top1=seq.sampling.greedy)]
         else:
             logits = verify_rows(self.adapter, [s for _, s, _ in rows], [d for _, _, d in rows])
         rows[0][1].sync()

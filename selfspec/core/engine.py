@@ -77,7 +77,8 @@ def decode(
                 return
             draft = seq.draft()
             t = time.perf_counter()
-            target_logits = verify_forward(adapter, seq.cache, seq.pending, draft, seq.start)  # [γ+1, vocab]
+            target_logits = verify_forward(adapter, seq.cache, seq.pending, draft, seq.start,  # [γ+1, vocab]
+                                           top1=seq.sampling.greedy)
             seq.sync()
             tokens = seq.finish_round(draft, target_logits, verify_s=time.perf_counter() - t)
     finally:
@@ -148,7 +149,7 @@ class Decoding:
         reused = 0 if self.prefix is None else self.prefix.restore(self.prompt_ids, self.cache)
         self.stats.prefix_tokens = reused
         h = adapter.run_layers(adapter.embed(self.prompt_ids[reused:]), range(adapter.n_layers), reused, self.cache)
-        first = _pick(adapter.head(h[:, -1:]), self.sampling, self.generator)
+        first = _pick(adapter.head(h[:, -1:], top1=self.sampling.greedy), self.sampling, self.generator)
         self.cache.rewind(n)
         self.sync()
         self.stats.prefill_s = time.perf_counter() - self._t0
@@ -235,16 +236,17 @@ class Decoding:
 
 
 def verify_forward(
-    adapter: ModelAdapter, cache: KVCache, pending: torch.Tensor, draft: Draft, start: int
+    adapter: ModelAdapter, cache: KVCache, pending: torch.Tensor, draft: Draft, start: int, top1: bool = False
 ) -> torch.Tensor:
     """Full-model logits [γ+1, vocab] for pending + draft tokens at positions start .. start+γ,
     each row computed exactly as a one-token autoregressive step would (see run_layers); for
-    sibling drafts, the pending token and each alternative at start+1 (Draft.siblings)."""
+    sibling drafts, the pending token and each alternative at start+1 (Draft.siblings). top1: a
+    greedy verify, which reads only each row's argmax (ModelAdapter.head's top1)."""
     gamma = len(draft)
     if draft.exit_hidden is None or gamma == 0 or draft.siblings:
         h = adapter.embed(torch.cat([pending, draft.tokens]))
         h = adapter.run_layers(h, range(adapter.n_layers), start, cache, rowwise=True, siblings=draft.siblings)
-        return adapter.head(h)
+        return adapter.head(h, top1=top1)
     k = draft.exit_layer
     if draft.exit_hidden.shape[1] == gamma + 1:  # the drafter also ran the last draft token's layers < k
         h = draft.exit_hidden
@@ -253,7 +255,7 @@ def verify_forward(
         last = adapter.run_layers(adapter.embed(draft.tokens[-1:]), range(k), start + gamma, cache)
         h = torch.cat([draft.exit_hidden, last], dim=1)  # [1, γ+1, hidden] at layer k
     h = adapter.run_layers(h, range(k, adapter.n_layers), start, cache, rowwise=True)
-    return adapter.head(h)
+    return adapter.head(h, top1=top1)
 
 
 def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]) -> list[torch.Tensor]:
@@ -268,7 +270,7 @@ def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]
         rows.append(torch.cat([ids, ids[-1:].expand(n - ids.numel())]))  # pad with the last token
     h = adapter.embed(torch.cat(rows)).view(len(rows), n, -1)  # [B, n, hidden]
     h = adapter.run_rows(h, range(adapter.n_layers), [s.start for s in seqs], [s.cache for s in seqs])
-    logits = adapter.head_rows(h)  # [B, n, vocab]
+    logits = adapter.head_rows(h, top1=all(s.sampling.greedy for s in seqs))  # [B, n, vocab]
     return [logits[b, : len(d) + 1] for b, d in enumerate(drafts)]
 
 
@@ -302,7 +304,7 @@ def measure_step_time(adapter: ModelAdapter, cache: KVCache, position: int, repe
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         t = time.perf_counter()
-        adapter.head(adapter.run_layers(adapter.embed(token), range(adapter.n_layers), position, cache))
+        adapter.head(adapter.run_layers(adapter.embed(token), range(adapter.n_layers), position, cache), top1=True)
         sync()
         times.append(time.perf_counter() - t)
     return sorted(times[1:])[len(times[1:]) // 2]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from selfspec.native import gemv
 from selfspec.model.cache import KVCache
+from selfspec.model.head_screen import top1_logits
 from selfspec.model.moe import routed
 from selfspec.model.quantize import Int4Linear
 from selfspec.model.skips import SkipSet
@@ -285,17 +286,20 @@ class ModelAdapter:
                     cache.write_exit_states(start, h[b])
         return h
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden states [1, n, hidden] -> logits [n, vocab] in float32."""
+    def head(self, h: torch.Tensor, top1: bool = False) -> torch.Tensor:
+        """hidden states [1, n, hidden] -> logits [n, vocab] in float32. top1: only each row's
+        argmax is wanted (greedy): an int8 head with a screen then computes only the logits that
+        could be the largest, the rest -inf (selfspec.model.head_screen)."""
         n = h.shape[1]
         if self.exact:  # the head runs the same bucket of rows as every layer (see selfspec.model.step)
             h = pad_rows(h, self.step.exact_rows, dim=1)
-        return self.head_rows(h, live=n)[0, :n]
+        return self.head_rows(h, live=n, top1=top1)[0, :n]
 
-    def head_rows(self, h: torch.Tensor, live: int | None = None) -> torch.Tensor:
+    def head_rows(self, h: torch.Tensor, live: int | None = None, top1: bool = False) -> torch.Tensor:
         """hidden states [B, n, hidden] -> logits [B, n, vocab] in float32. live: with B = 1, only
         the first `live` rows are wanted (the rest pad exact mode's bucket); the gemv kernel then
-        computes only those, as its rows do not depend on each other (selfspec.native.gemv)."""
+        computes only those, as its rows do not depend on each other (selfspec.native.gemv).
+        top1: as in `head`."""
         x = self.norm(h)
         rows = x.reshape(-1, x.shape[-1]) if live is None or x.shape[0] != 1 else x[0, :live]
         # A verify's rows (one sequence's, or a batched verify's several) in calls of up to
@@ -306,15 +310,36 @@ class ModelAdapter:
             if isinstance(head, Int4Linear):
                 part = head
             else:
-                def part(chunk):
-                    return gemv.linear(chunk, head.weight, head.bias, getattr(head, "scale", None))
-            logits = torch.cat([part(rows[i:i + gemv.MAX_ROWS]) for i in range(0, rows.shape[0], gemv.MAX_ROWS)])
+                def part(chunk, weight=head.weight, scale=getattr(head, "scale", None)):
+                    return gemv.linear(chunk, weight, head.bias, scale)
+
+            def product(rows):
+                return torch.cat([part(rows[i:i + gemv.MAX_ROWS]) for i in range(0, rows.shape[0], gemv.MAX_ROWS)])
+
+            logits = self._screened(rows, part, product) if top1 else None
+            if logits is None:
+                logits = product(rows)
             logits = logits.view(x.shape[0], -1, logits.shape[-1]).float()
         else:
             logits = self.lm_head(x).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def _screened(self, rows: torch.Tensor, part, product) -> torch.Tensor | None:
+        """top1 logits of rows [n, hidden] through the head's screen (selfspec.model.head_screen),
+        the candidates' from the head's own kernel (`part` on their gathered rows); None where
+        there is no screen, or it cannot tell."""
+        screen = getattr(self.lm_head, "screen", None)
+        if screen is None or self.lm_head.bias is not None or self.final_softcap is not None:
+            return None  # a soft-cap's float tanh may tie what the screen told apart
+
+        def exact(x, vocab):
+            weight = self.lm_head.weight.index_select(0, vocab)
+            scale = self.lm_head.scale.index_select(0, vocab)
+            return torch.cat([part(x[i:i + gemv.MAX_ROWS], weight, scale) for i in range(0, x.shape[0], gemv.MAX_ROWS)])
+
+        return top1_logits(rows, screen, exact)
 
     def _head_rowwise(self, rows: torch.Tensor) -> bool:
         """Whether the head takes these rows through a kernel whose rows do not depend on each other

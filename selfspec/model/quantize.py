@@ -84,8 +84,19 @@ def quantize_int8(hf_model: torch.nn.Module) -> int:
                 count += 1
     hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
     quantize_embedding(hf_model, tied)
+    screen_head(hf_model.lm_head)
     hf_model.train(hf_model.training)  # the new modules in the model's mode (eval, as loaded)
     return count
+
+
+def screen_head(head: Int8Linear) -> None:
+    """Give an int8 head its screen (selfspec.model.head_screen: greedy steps then read a 4-bit
+    copy of it and the few int8 rows that could win), where selfspec's 4-bit kernel builds and the
+    head has no bias."""
+    from selfspec.model.head_screen import HeadScreen
+
+    if (gemv.available() and head.weight.device.type == "cpu" and head.bias is None and head.in_features % 32 == 0 and head.out_features % 16 == 0):
+        head.screen = HeadScreen.of(head.weight, head.scale)
 
 
 def _tied(hf_model: torch.nn.Module) -> bool:
@@ -463,6 +474,7 @@ def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP, layout: st
     else:
         hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
         quantize_embedding(hf_model, tied)
+        screen_head(hf_model.lm_head)
     hf_model.train(hf_model.training)  # the new modules in the model's mode (eval, as loaded)
     return count
 

@@ -11,7 +11,7 @@ config on the meta device, puts the modules back and assigns the tensors: no den
 read and nothing is quantized, and the model equals the freshly quantized one bit for bit.
 
 The file is trusted only if its key matches: FORMAT, the mode, the int4 layout, a digest of
-selfspec.model.quantize's source, and the torch and transformers versions (PyTorch's int4 packing
+the source of selfspec.model.quantize and head_screen, and the torch and transformers versions (PyTorch's int4 packing
 is its own). Anything else quantizes afresh and overwrites it.
 """
 
@@ -40,6 +40,8 @@ from selfspec.model.loading import (
     load_hf,
     resolve_checkpoint,
 )
+from selfspec.model import head_screen
+from selfspec.model.head_screen import HeadScreen
 from selfspec.model.quantize import (
     ACTIVATION_DTYPE,
     EMBEDDING_INT8,
@@ -54,7 +56,7 @@ from selfspec.model.quantize import (
 )
 from selfspec.native.build import cache_root
 
-FORMAT = 2  # of the file: bump when what is saved, or how it is read back, changes (2: the embedding as int8 rows)
+FORMAT = 3  # of the file: bump when what is saved, or how it is read back, changes (2: the embedding as int8 rows; 3: the head's screen)
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
@@ -69,7 +71,7 @@ def key(mode: str, head: str = "int8") -> dict[str, str]:
     int4 model's head, quantize.quantize_int4's)."""
     import transformers
 
-    source = Path(quantize_module.__file__).read_bytes()
+    source = b"".join(Path(m.__file__).read_bytes() for m in (quantize_module, head_screen))
     return {
         "format": str(FORMAT),
         "mode": mode,
@@ -198,6 +200,9 @@ def read(path: Path, checkpoint: Path, mode: str, head: str = "int8") -> torch.n
             module = Int4Slice(built[entry["fused"]], entry["start"], entry["stop"], bias)
         else:
             module = Int8Linear(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.scale"), bias)
+            if f"{name}.screen.bounds" in tensors:
+                approx = Int4Linear(tensors.pop(f"{name}.screen.packed"), tensors.pop(f"{name}.screen.scales_zeros"), None)
+                module.screen = HeadScreen(approx, tensors.pop(f"{name}.screen.bounds"))
         built[name] = module
         if entry.get("attached", True):
             model.set_submodule(name, module, strict=True)
@@ -283,6 +288,10 @@ def _describe(model: torch.nn.Module) -> tuple[dict | None, dict[str, torch.Tens
         elif isinstance(module, Int8Linear):
             modules[name] = {"type": "Int8Linear"}
             add_tensors(name, weight=module.weight, scale=module.scale, bias=module.bias)
+            screen = getattr(module, "screen", None)  # a head's (selfspec.model.head_screen)
+            if screen is not None:
+                add_tensors(f"{name}.screen", packed=screen.approx.packed, scales_zeros=screen.approx.scales_zeros,
+                            bounds=screen.bounds)
         elif expected.get(name) is not type(module):
             return None, {}
     return modules, tensors

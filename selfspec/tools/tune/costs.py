@@ -77,7 +77,7 @@ def measure_costs(adapter, *, context: int, exit_layers, max_draft_len: int, dra
     def verify(k, n):
         tokens = torch.zeros(n - 1, dtype=torch.long, device=device)
         draft = Draft(tokens=tokens) if k == 0 else Draft(tokens, exit_layer=k, exit_hidden=hidden[:, : n - 1])
-        return lambda: verify_forward(adapter, cache, pending, draft, context)
+        return lambda: verify_forward(adapter, cache, pending, draft, context, top1=True)  # a greedy verify
 
     jobs = {("step",): lambda: None, ("lookup",): lambda: find_draft(history, 3, 1, max_draft_len)}
     jobs.update({("draft", k): draft_step(k) for k in draft_layers})

@@ -1,0 +1,112 @@
+"""The int8 LM head's argmax at nearly a 4-bit head's cost, exactly.
+
+A greedy step needs only the head's largest logit, and most of the vocabulary is nowhere near it.
+So a screen holds a 4-bit copy of the int8 head (the int4 kernel's blocks, a fifth fewer bytes
+than the layers' step reads in the 1.5B model's int8 head) and, per vocabulary row j, what bounds
+the gap between the two heads' logits for any hidden row x:
+
+    |E_j - A_j| <= B_j(x)
+
+E_j the int8 head's logit as its kernel computes it, A_j the 4-bit copy's. Then L = max_j (A_j -
+B_j) is at most the largest E, so every token whose E could be the largest has A_j + B_j >= L:
+those candidates (about 30 of Qwen2.5-Coder's 151,936 tokens in a typical decode step) get the
+int8 head's own logits, from its own kernel on their gathered rows (each output of that kernel is
+its row's fixed-order sum, so its bits do not depend on which rows are computed beside it), and
+every other token -inf. The argmax, ties to the first index included, is the full head's.
+
+B_j(x) is Cauchy-Schwarz on what differs plus float rounding, each term an upper bound:
+- the weights: ||w8_j - w4_j|| ||x|| (the residual's norm per row, stored);
+- the int4 kernel's x, int8 in blocks of 32 within 0.51 of a block step (max|x_b| / 127) of x:
+  ||w4_j|| times that error's norm; the int8 kernel's x as int16 (step max|x| / 16383) likewise;
+- float sums: (K + 64) 2^-23 times what they add (||w8_j|| ||x|| for the int8 head; for the 4-bit
+  one, its scales and minimums times ||x||_1: (15 max scale_j + max |minimum_j|) ||x||_1);
+- both results are bfloat16: 2^-8 of their size.
+The bound is loose (its residual term is ~40x the typical gap), which costs candidates, never
+exactness; tests/test_head_screen.py checks the argmax and the candidates' bits against the full
+head on adversarial rows (duplicates, near-ties), every kernel path.
+
+Only greedy picks use it (`ModelAdapter.head(..., top1=True)`); sampling needs every logit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.native import gemv
+from selfspec.model.quantize import Int4Linear, block_scales, dequantize_blocks
+
+BLOCK = 32  # the int4 kernel quantizes x in blocks of this many inputs
+X_STEP_4 = 127.0  # ... to int8: a block's step is its max |x| / 127
+X_STEP_8 = 16383.0  # the int8 head's VNNI path quantizes x's row to int16: step max |x| / 16383
+OUTPUTS = 16  # the product kernels' outputs a task: candidates are gathered in whole tasks
+ROUNDED = 0.51  # of a step: round to nearest (0.5) plus the step's own rounding
+
+
+class HeadScreen(torch.nn.Module):
+    """A 4-bit copy of an int8 head and each vocabulary row's bound constants [5, out]: the
+    residual's norm ||w8 - w4||, ||w4||, ||w8||, the 4-bit row's largest 15 scale + |minimum|, and
+    1 (for what is the same for every row)."""
+
+    def __init__(self, approx: Int4Linear, bounds: torch.Tensor):
+        super().__init__()
+        self.approx = approx
+        self.bounds = torch.nn.Parameter(bounds, requires_grad=False)  # [5, out] float32
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, scale: torch.Tensor, chunk: int = 8192) -> "HeadScreen":
+        """The screen of an int8 head (weight [out, in] int8, scale [out]), its 4-bit copy
+        quantized from the int8 values (in chunks of rows: the 1.5B's head is 0.9 GB as float32)."""
+        packed, sz, bounds = [], [], []
+        for start in range(0, weight.shape[0], chunk):
+            w8 = weight[start:start + chunk].float() * scale[start:start + chunk].float()[:, None]
+            part = Int4Linear.quantize(w8, torch.bfloat16, layout="blocks")
+            w4 = dequantize_blocks(part.packed, part.scales_zeros)  # float32, as the kernel has it
+            scales, minimums = block_scales(part.scales_zeros, w8.shape[1] // BLOCK)
+            magnitude = 15 * scales.abs().amax(1) + minimums.abs().amax(1)
+            ones = torch.ones_like(magnitude)
+            bounds.append(torch.stack([(w8 - w4).norm(dim=1), w4.norm(dim=1), w8.norm(dim=1), magnitude, ones]))
+            packed.append(part.packed)
+            sz.append(part.scales_zeros)
+        approx = Int4Linear(torch.cat(packed), torch.cat(sz), None)
+        return cls(approx, torch.cat(bounds, 1).float().contiguous())
+
+    def candidates(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [n, in] bfloat16 (the head's normed input): the ascending indices of every token that
+        could hold some row's largest int8 logit (their union over rows), or None where x is not
+        finite (the caller then runs the full head)."""
+        approx = torch.cat([gemv.int4_linear(x[i:i + gemv.MAX_ROWS], self.approx.packed, self.approx.scales_zeros)
+                            for i in range(0, x.shape[0], gemv.MAX_ROWS)]).float()  # [n, out], the kernel's arithmetic
+        xf = x.double()
+        if not torch.isfinite(xf).all():
+            return None
+        n, k = xf.shape
+        blocks = xf.abs().view(n, k // BLOCK, BLOCK).amax(-1)  # [n, blocks] max |x| per block
+        step4 = blocks / X_STEP_4
+        err4 = ROUNDED * (BLOCK * (step4 ** 2).sum(1)).sqrt()  # >= ||x - x as the int4 kernel has it||
+        err8 = ROUNDED * k ** 0.5 * blocks.amax(1) / X_STEP_8
+        norm = xf.norm(dim=1)
+        l1 = xf.abs().sum(1) + ROUNDED * BLOCK * step4.sum(1)  # >= ||x as the int4 kernel has it||_1
+        sums = (k + 64) * 2.0 ** -23
+        size = torch.maximum(-approx.amin(1), approx.amax(1)).double()  # >= |A_j| for every j
+        # gap = (coef · bounds + 2^-8 |A|)(1 + 2^-7) + 2^-7 |A|, |A| bounded by its row's largest:
+        # the bfloat16 results' rounding, and float32's in these sums (~2^-24 each) in the extra 2^-7.
+        coef = torch.stack([norm, err4, err8 + sums * norm, sums * l1], 1) * (1 + 2.0 ** -7)  # [n, 4]
+        coef = torch.cat([coef, (size * (2.0 ** -8 * (1 + 2.0 ** -7) + 2.0 ** -7))[:, None]], 1)
+        gap = torch.mm(coef.float(), self.bounds)  # [n, out]
+        floor = (approx - gap).amax(1, keepdim=True)  # <= each row's largest int8 logit
+        return (approx + gap >= floor).any(0).nonzero().view(-1)
+
+
+def top1_logits(x: torch.Tensor, screen: HeadScreen, exact) -> torch.Tensor | None:
+    """Logits [n, out] float32 for x [n, in] whose every row's argmax is the full head's: the
+    candidates' exact logits, -inf elsewhere. exact(x, rows) computes the full head's logits
+    [n, len(rows)] of the given vocabulary rows with its own kernel. None where the screen cannot
+    tell (x not finite)."""
+    rows = screen.candidates(x)
+    if rows is None:
+        return None
+    if rows.numel() % OUTPUTS:  # whole tasks of the kernel's outputs, the padding a repeat of the last row
+        rows = torch.cat([rows, rows[-1:].expand(OUTPUTS - rows.numel() % OUTPUTS)])
+    logits = torch.full((x.shape[0], screen.bounds.shape[1]), float("-inf"))
+    logits[:, rows] = exact(x, rows).float()
+    return logits
