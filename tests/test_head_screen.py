@@ -6,6 +6,7 @@ import torch
 from tiny_models import tiny_model
 
 from selfspec.api import SelfSpecModel
+from selfspec.model import head_screen
 from selfspec.model.head_screen import HeadScreen, top1_logits
 from selfspec.model.quantize import int8_rows, quantize_int4, quantize_int8
 from selfspec.native import gemv
@@ -16,6 +17,12 @@ pytestmark = pytest.mark.skipif(not gemv.available(), reason="the screen runs se
 def _full(x, weight, scale):
     return torch.cat([gemv.linear(x[i:i + gemv.MAX_ROWS], weight, None, scale)
                       for i in range(0, x.shape[0], gemv.MAX_ROWS)]).float()
+
+
+def _top1(x, screen, weight, scale):
+    """top1_logits with the screen's pay gate open (the gate has its own test)."""
+    screen.share = 0.0
+    return top1_logits(x, screen, _exact(weight, scale))
 
 
 def _exact(weight, scale):
@@ -59,7 +66,7 @@ def test_the_screened_argmax_is_the_full_heads_and_its_candidates_its_bits(path)
     x = _rows(weight.shape[1], (weight[strong].float() * scale[strong].float()[:, None]) * 8)
     full = _full(x, weight, scale)
     for n in (1, 3, 16, 48):
-        got = top1_logits(x[:n], screen, _exact(weight, scale))
+        got = _top1(x[:n], screen, weight, scale)
         assert torch.equal(got.argmax(-1), full[:n].argmax(-1))
         kept = torch.isfinite(got)
         assert torch.equal(got[kept], full[:n][kept])
@@ -67,7 +74,7 @@ def test_the_screened_argmax_is_the_full_heads_and_its_candidates_its_bits(path)
     # ties: a duplicated strong row loses to the first index, as torch's argmax of the full head
     dup = full.argmax(-1)
     assert (full.eq(full.max(-1, keepdim=True).values).sum(1) > 1).any(), "the rows make ties"
-    assert torch.equal(top1_logits(x, screen, _exact(weight, scale)).argmax(-1), dup)
+    assert torch.equal(_top1(x, screen, weight, scale).argmax(-1), dup)
 
 
 def test_a_screen_without_its_bound_would_miss_the_argmax(path):
@@ -81,7 +88,7 @@ def test_a_screen_without_its_bound_would_miss_the_argmax(path):
     for bounded in (True, False):
         if not bounded:
             screen.bounds.data.zero_()
-        picks[bounded] = torch.cat([top1_logits(x[i:i + 1], screen, _exact(weight, scale)).argmax(-1)
+        picks[bounded] = torch.cat([_top1(x[i:i + 1], screen, weight, scale).argmax(-1)
                                     for i in range(x.shape[0])])
     assert torch.equal(picks[True], full) and not torch.equal(picks[False], full)
 
@@ -92,6 +99,27 @@ def test_a_row_that_is_not_finite_is_left_to_the_full_head():
     x = torch.randn(2, 64).to(torch.bfloat16)
     x[1, 5] = float("nan")
     assert screen.candidates(x) is None and top1_logits(x, screen, _exact(weight, scale)) is None
+
+
+def test_a_screen_that_keeps_most_of_the_vocabulary_stops_and_probes_again():
+    """Many candidates (all rows alike) make the screen step aside, and it tries again after
+    PROBE_EVERY calls; few make it run every call."""
+    weight, scale, _ = _head(out=512, inp=64)
+    screen = HeadScreen.of(weight, scale)
+    ran = []
+    original = screen.candidates
+    screen.candidates = lambda x: ran.append(1) or original(x)
+    zeros = torch.zeros(1, 64, dtype=torch.bfloat16)  # every logit 0: every token a candidate
+    calls = 2 * head_screen.PROBE_EVERY + 4
+    results = [top1_logits(zeros, screen, _exact(weight, scale)) for _ in range(calls)]
+    assert results[0] is not None and sum(r is not None for r in results) == len(ran) == 3
+    screen.share = 0.0
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    x[0, 0] = 50.0
+    weight[7], scale[7] = 127, scale.max() * 10  # one row far above the rest: few candidates
+    screen = HeadScreen.of(weight, scale)
+    assert all(top1_logits(x, screen, _exact(weight, scale)) is not None for _ in range(20))
+    assert screen.share <= head_screen.SHARE
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])

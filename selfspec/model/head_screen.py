@@ -1,9 +1,9 @@
 """The int8 LM head's argmax at nearly a 4-bit head's cost, exactly.
 
 A greedy step needs only the head's largest logit, and most of the vocabulary is nowhere near it.
-So a screen holds a 4-bit copy of the int8 head (the int4 kernel's blocks, a fifth fewer bytes
-than the layers' step reads in the 1.5B model's int8 head) and, per vocabulary row j, what bounds
-the gap between the two heads' logits for any hidden row x:
+So a screen holds a 4-bit copy of the int8 head (the int4 kernel's blocks: 0.57x the int8 head's
+bytes, which are a quarter of Qwen2.5-Coder 1.5B's int4 step) and, per vocabulary row j, what
+bounds the gap between the two heads' logits for any hidden row x:
 
     |E_j - A_j| <= B_j(x)
 
@@ -38,6 +38,9 @@ from selfspec.model.quantize import Int4Linear, block_scales, dequantize_blocks
 BLOCK = 32  # the int4 kernel quantizes x in blocks of this many inputs
 X_STEP_4 = 127.0  # ... to int8: a block's step is its max |x| / 127
 X_STEP_8 = 16383.0  # the int8 head's VNNI path quantizes x's row to int16: step max |x| / 16383
+SHARE = 0.01  # the screen runs while its candidates average at most this share of the vocabulary
+WEIGHT = 0.1  # of the latest call in that average
+PROBE_EVERY = 64  # calls: a screen that stopped paying tries again this often (its model's text moved on)
 OUTPUTS = 16  # the product kernels' outputs a task: candidates are gathered in whole tasks
 ROUNDED = 0.51  # of a step: round to nearest (0.5) plus the step's own rounding
 
@@ -51,6 +54,21 @@ class HeadScreen(torch.nn.Module):
         super().__init__()
         self.approx = approx
         self.bounds = torch.nn.Parameter(bounds, requires_grad=False)  # [5, out] float32
+        self.share = 0.0  # moving average of the candidates' share of the vocabulary
+        self.skipped = 0  # calls since the screen last ran, while it does not pay
+
+    def pays(self) -> bool:
+        """Whether to screen this call: while its candidates stay few (SmolLM2's bound keeps most
+        of its 49,152 tokens, and gathering them costs more than the full head), else once every
+        PROBE_EVERY calls."""
+        if self.share <= SHARE or self.skipped >= PROBE_EVERY:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def note(self, candidates: int) -> None:
+        self.share += WEIGHT * (candidates / self.bounds.shape[1] - self.share)
 
     @classmethod
     def of(cls, weight: torch.Tensor, scale: torch.Tensor, chunk: int = 8192) -> "HeadScreen":
@@ -75,7 +93,7 @@ class HeadScreen(torch.nn.Module):
         could hold some row's largest int8 logit (their union over rows), or None where x is not
         finite (the caller then runs the full head)."""
         approx = torch.cat([gemv.int4_linear(x[i:i + gemv.MAX_ROWS], self.approx.packed, self.approx.scales_zeros)
-                            for i in range(0, x.shape[0], gemv.MAX_ROWS)]).float()  # [n, out], the kernel's arithmetic
+                            for i in range(0, x.shape[0], gemv.MAX_ROWS)])  # [n, out], the kernel's arithmetic
         xf = x.double()
         if not torch.isfinite(xf).all():
             return None
@@ -87,24 +105,25 @@ class HeadScreen(torch.nn.Module):
         norm = xf.norm(dim=1)
         l1 = xf.abs().sum(1) + ROUNDED * BLOCK * step4.sum(1)  # >= ||x as the int4 kernel has it||_1
         sums = (k + 64) * 2.0 ** -23
-        size = torch.maximum(-approx.amin(1), approx.amax(1)).double()  # >= |A_j| for every j
+        size = approx.abs().amax(1).double()  # >= |A_j| for every j
         # gap = (coef · bounds + 2^-8 |A|)(1 + 2^-7) + 2^-7 |A|, |A| bounded by its row's largest:
         # the bfloat16 results' rounding, and float32's in these sums (~2^-24 each) in the extra 2^-7.
         coef = torch.stack([norm, err4, err8 + sums * norm, sums * l1], 1) * (1 + 2.0 ** -7)  # [n, 4]
         coef = torch.cat([coef, (size * (2.0 ** -8 * (1 + 2.0 ** -7) + 2.0 ** -7))[:, None]], 1)
-        gap = torch.mm(coef.float(), self.bounds)  # [n, out]
-        floor = (approx - gap).amax(1, keepdim=True)  # <= each row's largest int8 logit
-        return (approx + gap >= floor).any(0).nonzero().view(-1)
+        return gemv.head_screen(approx, self.bounds, coef.float())
 
 
 def top1_logits(x: torch.Tensor, screen: HeadScreen, exact) -> torch.Tensor | None:
     """Logits [n, out] float32 for x [n, in] whose every row's argmax is the full head's: the
     candidates' exact logits, -inf elsewhere. exact(x, rows) computes the full head's logits
     [n, len(rows)] of the given vocabulary rows with its own kernel. None where the screen cannot
-    tell (x not finite)."""
+    tell (x not finite) or does not pay (HeadScreen.pays): the caller runs the full head."""
+    if not screen.pays():
+        return None
     rows = screen.candidates(x)
     if rows is None:
         return None
+    screen.note(rows.numel() / x.shape[0])
     if rows.numel() % OUTPUTS:  # whole tasks of the kernel's outputs, the padding a repeat of the last row
         rows = torch.cat([rows, rows[-1:].expand(OUTPUTS - rows.numel() % OUTPUTS)])
     logits = torch.full((x.shape[0], screen.bounds.shape[1]), float("-inf"))

@@ -296,6 +296,13 @@ def int4_dequantize(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torc
     return _STATE["lib"].int4_dequantize.default(q, sz, dtype == torch.bfloat16)
 
 
+def head_screen(approx: torch.Tensor, bounds: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """The candidates of selfspec.model.head_screen, in one pass-pair over the vocabulary: approx
+    [n, V] bfloat16, bounds [5, V] and coef [n, 5] float32; every token j (ascending, int64) whose
+    approx + gap reaches some row's max(approx - gap), gap = coef[:, :4] · bounds[:4] + coef[:, 4]."""
+    return _STATE["lib"].head_screen.default(approx.contiguous(), bounds, coef.contiguous())
+
+
 INT4_ROWS = 256  # up to this many rows the 4-bit products run the decode kernel's arithmetic (int4_rows) ...
 INT4_ROWS_AVX2 = 64  # ... and this many where they run on AVX2 (no AVX512-VNNI)
 

@@ -16,6 +16,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -207,6 +209,65 @@ Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const st
         y.narrow(1, j, rows).copy_(part);
     }
     return y;
+}
+
+// The LM head's screen (selfspec/model/head_screen.py): for approx [n, V] bfloat16 (a 4-bit
+// copy's logits), bounds [5, V] float32 (per vocabulary row) and coef [n, 5] float32 (per row of
+// x), each token's gap g = coef[r, 0:4] · bounds[0:4, j] + coef[r, 4]; returns, ascending, every
+// token j with approx[r, j] + g >= max_i (approx[r, i] - g_i) for some row r. Two passes over V
+// (the gaps kept between them), in chunks across threads; float rounding here is inside the
+// screen's slack.
+Tensor head_screen(const Tensor& approx, const Tensor& bounds, const Tensor& coef) {
+    TORCH_CHECK(approx.dim() == 2 && approx.size(0) >= 1, "approx must be [rows, vocab], got ", approx.sizes());
+    const int64_t n = approx.size(0), V = approx.size(1);
+    check(approx, "approx", at::kBFloat16, {n, V});
+    check(bounds, "bounds", at::kFloat, {5, V});
+    check(coef, "coef", at::kFloat, {n, 5});
+    const uint16_t* a = (const uint16_t*)approx.data_ptr();
+    const float* b = bounds.data_ptr<float>();
+    const float* c = coef.data_ptr<float>();
+    const auto value = [](uint16_t v) {
+        uint32_t u = (uint32_t)v << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    };
+    constexpr int64_t grain = 8192;
+    const int64_t chunks = (V + grain - 1) / grain;
+    std::vector<float> gap(n * V), lows(chunks * n, -INFINITY), floors(n, -INFINITY);
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t ch = c0; ch < c1; ch++) {
+            const int64_t j0 = ch * grain, j1 = std::min(V, j0 + grain);
+            for (int64_t r = 0; r < n; r++) {
+                const float* cr = c + r * 5;
+                float* g = gap.data() + r * V;
+                const uint16_t* ar = a + r * V;
+                float low = -INFINITY;
+                for (int64_t j = j0; j < j1; j++) {
+                    g[j] = cr[0] * b[j] + cr[1] * b[V + j] + cr[2] * b[2 * V + j] + cr[3] * b[3 * V + j] + cr[4];
+                    low = std::max(low, value(ar[j]) - g[j]);
+                }
+                lows[ch * n + r] = low;
+            }
+        }
+    });
+    for (int64_t ch = 0; ch < chunks; ch++)
+        for (int64_t r = 0; r < n; r++) floors[r] = std::max(floors[r], lows[ch * n + r]);
+    std::vector<uint8_t> keep(V);
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t j = c0 * grain, j1 = std::min(V, c1 * grain); j < j1; j++) {
+            bool k = false;
+            for (int64_t r = 0; r < n; r++) k |= value(a[r * V + j]) + gap[r * V + j] >= floors[r];
+            keep[j] = k;
+        }
+    });
+    int64_t count = 0;
+    for (int64_t j = 0; j < V; j++) count += keep[j];
+    Tensor out = at::empty({count}, approx.options().dtype(at::kLong));
+    int64_t* o = out.data_ptr<int64_t>();
+    for (int64_t j = 0; j < V; j++)
+        if (keep[j]) *o++ = j;
+    return out;
 }
 
 // One decoder layer over x [n, hidden] in place (layer.h). weights: wqkv, bqkv, wo, wgu, wd, sqkv,
@@ -416,7 +477,9 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
     m.def("int4_rows(Tensor x, Tensor q, Tensor sz, Tensor? bias=None) -> Tensor");
     m.def("int4_dequantize(Tensor q, Tensor sz, bool bfloat16=False) -> Tensor");
     m.def("int4_prefill(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int tile_bytes=4194304) -> Tensor");
+    m.def("head_screen(Tensor approx, Tensor bounds, Tensor coef) -> Tensor");
     m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
+    m.impl("head_screen", c10::DispatchKey::CPU, TORCH_FN(head_screen));
     m.impl("int4_gemv", c10::DispatchKey::CPU, TORCH_FN(int4_gemv));
     m.impl("int4_rows", c10::DispatchKey::CPU, TORCH_FN(int4_rows));
     m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(int4_dequantize));
