@@ -101,19 +101,19 @@ def test_a_row_that_is_not_finite_is_left_to_the_full_head():
     assert screen.candidates(x) is None and top1_logits(x, screen, _exact(weight, scale)) is None
 
 
-def test_a_screen_that_keeps_most_of_the_vocabulary_stops_and_probes_again():
-    """Many candidates (all rows alike) make the screen step aside, and it tries again after
-    PROBE_EVERY calls; few make it run every call."""
+def test_a_screen_that_keeps_most_of_the_vocabulary_stops_and_probes_ever_less_often():
+    """Many candidates (every logit alike) make the screen step aside; it probes again after
+    PROBE_EVERY calls, then after twice as many; few candidates make it run every call."""
     weight, scale, _ = _head(out=512, inp=64)
     screen = HeadScreen.of(weight, scale)
     ran = []
     original = screen.candidates
     screen.candidates = lambda x: ran.append(1) or original(x)
     zeros = torch.zeros(1, 64, dtype=torch.bfloat16)  # every logit 0: every token a candidate
-    calls = 2 * head_screen.PROBE_EVERY + 4
-    results = [top1_logits(zeros, screen, _exact(weight, scale)) for _ in range(calls)]
-    assert results[0] is not None and sum(r is not None for r in results) == len(ran) == 3
-    screen.share = 0.0
+    results = [top1_logits(zeros, screen, _exact(weight, scale)) for _ in range(4 * head_screen.PROBE_EVERY)]
+    screened = [i for i, r in enumerate(results) if r is not None]
+    assert len(ran) == len(screened) and screened[:2] == [0, 1]  # the share passes SHARE on the 2nd call
+    assert screened[2:] == [1 + head_screen.PROBE_EVERY, 1 + 3 * head_screen.PROBE_EVERY]
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     x[0, 0] = 50.0
     weight[7], scale[7] = 127, scale.max() * 10  # one row far above the rest: few candidates

@@ -35,14 +35,11 @@ import torch
 from selfspec.native import gemv
 from selfspec.model.quantize import Int4Linear, block_scales, dequantize_blocks
 
-BLOCK = 32  # the int4 kernel quantizes x in blocks of this many inputs
-X_STEP_4 = 127.0  # ... to int8: a block's step is its max |x| / 127
-X_STEP_8 = 16383.0  # the int8 head's VNNI path quantizes x's row to int16: step max |x| / 16383
-SHARE = 0.01  # the screen runs while its candidates average at most this share of the vocabulary
+SHARE = 0.1  # the screen runs while its candidates average at most this share of the vocabulary
 WEIGHT = 0.1  # of the latest call in that average
-PROBE_EVERY = 64  # calls: a screen that stopped paying tries again this often (its model's text moved on)
+PROBE_EVERY = 64  # calls: a screen that stopped paying tries again after this many (its text may have moved on) ...
+MAX_WAIT = 4096  # ... and twice as many after each probe that did not pay, up to this
 OUTPUTS = 16  # the product kernels' outputs a task: candidates are gathered in whole tasks
-ROUNDED = 0.51  # of a step: round to nearest (0.5) plus the step's own rounding
 
 
 class HeadScreen(torch.nn.Module):
@@ -56,19 +53,26 @@ class HeadScreen(torch.nn.Module):
         self.bounds = torch.nn.Parameter(bounds, requires_grad=False)  # [5, out] float32
         self.share = 0.0  # moving average of the candidates' share of the vocabulary
         self.skipped = 0  # calls since the screen last ran, while it does not pay
+        self.wait = PROBE_EVERY  # calls between probes, while it does not pay
 
     def pays(self) -> bool:
-        """Whether to screen this call: while its candidates stay few (SmolLM2's bound keeps most
-        of its 49,152 tokens, and gathering them costs more than the full head), else once every
-        PROBE_EVERY calls."""
-        if self.share <= SHARE or self.skipped >= PROBE_EVERY:
-            self.skipped = 0
+        """Whether to screen this call: while its candidates stay few (SmolLM2's and Gemma 3's
+        bounds keep a quarter or more of their vocabularies, and gathering those costs more than
+        the full head), else once after `wait` calls, each such probe that does not pay doubling
+        the wait (up to MAX_WAIT)."""
+        if self.share <= SHARE:
             return True
         self.skipped += 1
-        return False
+        if self.skipped < self.wait:
+            return False
+        self.skipped, self.wait = 0, min(2 * self.wait, MAX_WAIT)
+        return True
 
-    def note(self, candidates: int) -> None:
+    def note(self, candidates: float) -> None:
+        """Feed back one screened call's candidates a row."""
         self.share += WEIGHT * (candidates / self.bounds.shape[1] - self.share)
+        if self.share <= SHARE:
+            self.wait = PROBE_EVERY
 
     @classmethod
     def of(cls, weight: torch.Tensor, scale: torch.Tensor, chunk: int = 8192) -> "HeadScreen":
@@ -79,7 +83,7 @@ class HeadScreen(torch.nn.Module):
             w8 = weight[start:start + chunk].float() * scale[start:start + chunk].float()[:, None]
             part = Int4Linear.quantize(w8, torch.bfloat16, layout="blocks")
             w4 = dequantize_blocks(part.packed, part.scales_zeros)  # float32, as the kernel has it
-            scales, minimums = block_scales(part.scales_zeros, w8.shape[1] // BLOCK)
+            scales, minimums = block_scales(part.scales_zeros, w8.shape[1] // 32)
             magnitude = 15 * scales.abs().amax(1) + minimums.abs().amax(1)
             ones = torch.ones_like(magnitude)
             bounds.append(torch.stack([(w8 - w4).norm(dim=1), w4.norm(dim=1), w8.norm(dim=1), magnitude, ones]))
@@ -92,25 +96,10 @@ class HeadScreen(torch.nn.Module):
         """x [n, in] bfloat16 (the head's normed input): the ascending indices of every token that
         could hold some row's largest int8 logit (their union over rows), or None where x is not
         finite (the caller then runs the full head)."""
-        approx = torch.cat([gemv.int4_linear(x[i:i + gemv.MAX_ROWS], self.approx.packed, self.approx.scales_zeros)
-                            for i in range(0, x.shape[0], gemv.MAX_ROWS)])  # [n, out], the kernel's arithmetic
-        xf = x.double()
-        if not torch.isfinite(xf).all():
-            return None
-        n, k = xf.shape
-        blocks = xf.abs().view(n, k // BLOCK, BLOCK).amax(-1)  # [n, blocks] max |x| per block
-        step4 = blocks / X_STEP_4
-        err4 = ROUNDED * (BLOCK * (step4 ** 2).sum(1)).sqrt()  # >= ||x - x as the int4 kernel has it||
-        err8 = ROUNDED * k ** 0.5 * blocks.amax(1) / X_STEP_8
-        norm = xf.norm(dim=1)
-        l1 = xf.abs().sum(1) + ROUNDED * BLOCK * step4.sum(1)  # >= ||x as the int4 kernel has it||_1
-        sums = (k + 64) * 2.0 ** -23
-        size = approx.abs().amax(1).double()  # >= |A_j| for every j
-        # gap = (coef · bounds + 2^-8 |A|)(1 + 2^-7) + 2^-7 |A|, |A| bounded by its row's largest:
-        # the bfloat16 results' rounding, and float32's in these sums (~2^-24 each) in the extra 2^-7.
-        coef = torch.stack([norm, err4, err8 + sums * norm, sums * l1], 1) * (1 + 2.0 ** -7)  # [n, 4]
-        coef = torch.cat([coef, (size * (2.0 ** -8 * (1 + 2.0 ** -7) + 2.0 ** -7))[:, None]], 1)
-        return gemv.head_screen(approx, self.bounds, coef.float())
+        parts = [gemv.int4_linear(x[i:i + gemv.MAX_ROWS], self.approx.packed, self.approx.scales_zeros)
+                 for i in range(0, x.shape[0], gemv.MAX_ROWS)]  # the kernel's arithmetic, whatever the rows
+        approx = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, out]
+        return gemv.head_screen(x, approx, self.bounds)  # the bound below, in one op
 
 
 def top1_logits(x: torch.Tensor, screen: HeadScreen, exact) -> torch.Tensor | None:

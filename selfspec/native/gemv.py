@@ -296,11 +296,12 @@ def int4_dequantize(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torc
     return _STATE["lib"].int4_dequantize.default(q, sz, dtype == torch.bfloat16)
 
 
-def head_screen(approx: torch.Tensor, bounds: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """The candidates of selfspec.model.head_screen, in one pass-pair over the vocabulary: approx
-    [n, V] bfloat16, bounds [5, V] and coef [n, 5] float32; every token j (ascending, int64) whose
-    approx + gap reaches some row's max(approx - gap), gap = coef[:, :4] · bounds[:4] + coef[:, 4]."""
-    return _STATE["lib"].head_screen.default(approx.contiguous(), bounds, coef.contiguous())
+def head_screen(x: torch.Tensor, approx: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor | None:
+    """The candidates of selfspec.model.head_screen: x [n, in] bfloat16, approx [n, V] bfloat16
+    (the 4-bit copy's logits of x), bounds [5, V] float32; every token (ascending, int64) that
+    could hold some row's largest int8 logit. None where x is not finite."""
+    rows = _STATE["lib"].head_screen.default(x.contiguous(), approx.contiguous(), bounds)
+    return None if rows.numel() == 1 and int(rows[0]) < 0 else rows
 
 
 INT4_ROWS = 256  # up to this many rows the 4-bit products run the decode kernel's arithmetic (int4_rows) ...

@@ -12,6 +12,7 @@
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/copy.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
@@ -211,36 +212,69 @@ Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const st
     return y;
 }
 
-// The LM head's screen (selfspec/model/head_screen.py): for approx [n, V] bfloat16 (a 4-bit
-// copy's logits), bounds [5, V] float32 (per vocabulary row) and coef [n, 5] float32 (per row of
-// x), each token's gap g = coef[r, 0:4] · bounds[0:4, j] + coef[r, 4]; returns, ascending, every
-// token j with approx[r, j] + g >= max_i (approx[r, i] - g_i) for some row r. Two passes over V
-// (the gaps kept between them), in chunks across threads; float rounding here is inside the
-// screen's slack.
-Tensor head_screen(const Tensor& approx, const Tensor& bounds, const Tensor& coef) {
+// The LM head's screen (selfspec/model/head_screen.py): x [n, K] bfloat16 (the head's input),
+// approx [n, V] bfloat16 (its 4-bit copy's logits of x), bounds [5, V] float32 (per vocabulary
+// row: ||w8 - w4||, ||w4||, ||w8||, 15 max scale + max |minimum|, unused). Per row r of x, in
+// double: its norm, the norm of the int4 kernel's int8 error (within 0.51 of each block's step max
+// |x_b| / 127), the int8 head's int16 error (0.51 of max |x| / 16383 a feature), ||x||_1 and float
+// sums' (K + 64) 2^-23; with the bfloat16 results' 2^-8 of max |approx| and 2^-7 of slack, token
+// j's gap g_j bounds |int8 logit - approx| (head_screen.py's docstring). Returns, ascending, every
+// token j with approx[r, j] + g_j >= max_i (approx[r, i] - g_i) for some row r; an empty tensor of
+// shape [1] holding -1 where x is not finite (the caller runs the full head).
+Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) {
     TORCH_CHECK(approx.dim() == 2 && approx.size(0) >= 1, "approx must be [rows, vocab], got ", approx.sizes());
     const int64_t n = approx.size(0), V = approx.size(1);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [rows, in] with in a multiple of 32, got ", x.sizes());
+    const int64_t K = x.size(1);
+    check(x, "x", at::kBFloat16, {n, K});
     check(approx, "approx", at::kBFloat16, {n, V});
     check(bounds, "bounds", at::kFloat, {5, V});
-    check(coef, "coef", at::kFloat, {n, 5});
     const uint16_t* a = (const uint16_t*)approx.data_ptr();
+    const uint16_t* xs = (const uint16_t*)x.data_ptr();
     const float* b = bounds.data_ptr<float>();
-    const float* c = coef.data_ptr<float>();
     const auto value = [](uint16_t v) {
         uint32_t u = (uint32_t)v << 16;
         float f;
         memcpy(&f, &u, 4);
         return f;
     };
+    std::vector<float> coef(n * 5);
+    for (int64_t r = 0; r < n; r++) {
+        double sq = 0, l1 = 0, err4 = 0, steps = 0, top = 0, largest = 0;
+        for (int64_t blk = 0; blk < K / 32; blk++) {
+            double m = 0;
+            for (int i = 0; i < 32; i++) {
+                const double v = value(xs[r * K + blk * 32 + i]);
+                if (!std::isfinite(v)) return at::full({1}, -1, approx.options().dtype(at::kLong));
+                sq += v * v, l1 += std::fabs(v), m = std::max(m, std::fabs(v));
+            }
+            const double step = m / 127.0;
+            err4 += 32 * step * step, steps += step, top = std::max(top, m);
+        }
+        for (int64_t j = 0; j < V; j++) largest = std::max(largest, (double)std::fabs(value(a[r * V + j])));
+        const double norm = std::sqrt(sq), sums = (K + 64) * std::ldexp(1.0, -23), slack = 1 + std::ldexp(1.0, -7);
+        float* c = coef.data() + r * 5;
+        c[0] = (float)(norm * slack);
+        c[1] = (float)(0.51 * std::sqrt(err4) * slack);
+        c[2] = (float)((0.51 * std::sqrt((double)K) * top / 16383.0 + sums * norm) * slack);
+        c[3] = (float)(sums * (l1 + 0.51 * 32 * steps) * slack);
+        c[4] = (float)(largest * (std::ldexp(1.0, -8) * slack + std::ldexp(1.0, -7)));
+    }
     constexpr int64_t grain = 8192;
     const int64_t chunks = (V + grain - 1) / grain;
-    std::vector<float> gap(n * V), lows(chunks * n, -INFINITY), floors(n, -INFINITY);
+    static thread_local std::vector<float> gap;  // kept between calls: no fresh pages a step
+    static thread_local std::vector<uint8_t> keep;
+    gap.resize(std::max<size_t>(gap.size(), n * V));
+    keep.resize(std::max<size_t>(keep.size(), V));
+    std::vector<float> lows(chunks * n, -INFINITY), floors(n, -INFINITY);
+    float* g_all = gap.data();
+    uint8_t* kept = keep.data();
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t ch = c0; ch < c1; ch++) {
             const int64_t j0 = ch * grain, j1 = std::min(V, j0 + grain);
             for (int64_t r = 0; r < n; r++) {
-                const float* cr = c + r * 5;
-                float* g = gap.data() + r * V;
+                const float* cr = coef.data() + r * 5;
+                float* g = g_all + r * V;
                 const uint16_t* ar = a + r * V;
                 float low = -INFINITY;
                 for (int64_t j = j0; j < j1; j++) {
@@ -253,20 +287,19 @@ Tensor head_screen(const Tensor& approx, const Tensor& bounds, const Tensor& coe
     });
     for (int64_t ch = 0; ch < chunks; ch++)
         for (int64_t r = 0; r < n; r++) floors[r] = std::max(floors[r], lows[ch * n + r]);
-    std::vector<uint8_t> keep(V);
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t j = c0 * grain, j1 = std::min(V, c1 * grain); j < j1; j++) {
             bool k = false;
-            for (int64_t r = 0; r < n; r++) k |= value(a[r * V + j]) + gap[r * V + j] >= floors[r];
-            keep[j] = k;
+            for (int64_t r = 0; r < n; r++) k |= value(a[r * V + j]) + g_all[r * V + j] >= floors[r];
+            kept[j] = k;
         }
     });
     int64_t count = 0;
-    for (int64_t j = 0; j < V; j++) count += keep[j];
+    for (int64_t j = 0; j < V; j++) count += kept[j];
     Tensor out = at::empty({count}, approx.options().dtype(at::kLong));
     int64_t* o = out.data_ptr<int64_t>();
     for (int64_t j = 0; j < V; j++)
-        if (keep[j]) *o++ = j;
+        if (kept[j]) *o++ = j;
     return out;
 }
 
@@ -477,7 +510,7 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
     m.def("int4_rows(Tensor x, Tensor q, Tensor sz, Tensor? bias=None) -> Tensor");
     m.def("int4_dequantize(Tensor q, Tensor sz, bool bfloat16=False) -> Tensor");
     m.def("int4_prefill(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, int tile_bytes=4194304) -> Tensor");
-    m.def("head_screen(Tensor approx, Tensor bounds, Tensor coef) -> Tensor");
+    m.def("head_screen(Tensor x, Tensor approx, Tensor bounds) -> Tensor");
     m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
     m.impl("head_screen", c10::DispatchKey::CPU, TORCH_FN(head_screen));
     m.impl("int4_gemv", c10::DispatchKey::CPU, TORCH_FN(int4_gemv));
