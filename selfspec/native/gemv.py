@@ -298,7 +298,7 @@ def int4_dequantize(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torc
 
 def head_screen(x: torch.Tensor, approx: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor | None:
     """The candidates of selfspec.model.head_screen: x [n, in] bfloat16, approx [n, V] bfloat16
-    (the 4-bit copy's logits of x), bounds [5, V] float32; every token (ascending, int64) that
+    (the 4-bit copy's logits of x), bounds [4, V] float32; every token (ascending, int64) that
     could hold some row's largest int8 logit. None where x is not finite."""
     rows = _STATE["lib"].head_screen.default(x.contiguous(), approx.contiguous(), bounds)
     return None if rows.numel() == 1 and int(rows[0]) < 0 else rows

@@ -213,8 +213,8 @@ Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const st
 }
 
 // The LM head's screen (selfspec/model/head_screen.py): x [n, K] bfloat16 (the head's input),
-// approx [n, V] bfloat16 (its 4-bit copy's logits of x), bounds [5, V] float32 (per vocabulary
-// row: ||w8 - w4||, ||w4||, ||w8||, 15 max scale + max |minimum|, unused). Per row r of x, in
+// approx [n, V] bfloat16 (its 4-bit copy's logits of x), bounds [4, V] float32 (per vocabulary
+// row: ||w8 - w4||, ||w4||, ||w8||, 15 max scale + max |minimum|). Per row r of x, in
 // double: its norm, the norm of the int4 kernel's int8 error (within 0.51 of each block's step max
 // |x_b| / 127), the int8 head's int16 error (0.51 of max |x| / 16383 a feature), ||x||_1 and float
 // sums' (K + 64) 2^-23; with the bfloat16 results' 2^-8 of max |approx| and 2^-7 of slack, token
@@ -228,7 +228,7 @@ Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) 
     const int64_t K = x.size(1);
     check(x, "x", at::kBFloat16, {n, K});
     check(approx, "approx", at::kBFloat16, {n, V});
-    check(bounds, "bounds", at::kFloat, {5, V});
+    check(bounds, "bounds", at::kFloat, {4, V});
     const uint16_t* a = (const uint16_t*)approx.data_ptr();
     const uint16_t* xs = (const uint16_t*)x.data_ptr();
     const float* b = bounds.data_ptr<float>();
