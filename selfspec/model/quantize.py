@@ -142,9 +142,13 @@ def quantize_embedding(hf_model: torch.nn.Module, tied: bool) -> None:
 
 
 def weight_bytes(hf_model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the decoder layers' weights and of the LM head: what one full step must read."""
+    """Bytes of the decoder layers' weights and of the LM head: what one full step must read (an
+    int8 head's screen, selfspec.model.head_screen, not counted: a greedy step reads its 4-bit copy
+    instead of the head while it pays)."""
     layers = sum(p.numel() * p.element_size() for p in hf_model.model.layers.parameters())
-    head = sum(p.numel() * p.element_size() for p in hf_model.lm_head.parameters())
+    screen = getattr(hf_model.lm_head, "screen", None)
+    own = {id(p) for p in screen.parameters()} if screen is not None else set()
+    head = sum(p.numel() * p.element_size() for p in hf_model.lm_head.parameters() if id(p) not in own)
     return {"layers": layers, "head": head}
 
 

@@ -4,7 +4,7 @@ A quantized load reads the dense bfloat16 weights and quantizes every layer (mos
 Qwen2.5-Coder 1.5B on 2 cores). The first one saves the result beside the checkpoint: one
 safetensors file per mode (int4 also per layout), holding the quantized modules' tensors, every
 other parameter and buffer of the model, and in its metadata which module is what (an Int4Linear,
-an Int4Slice of a fused one, an Int8Linear). The embedding is stored as its int8 rows (the head's,
+an Int4Slice of a fused one, an Int8Linear, with an int8 head's screen). The embedding is stored as its int8 rows (the head's,
 where they are tied; selfspec.model.quantize.quantize_embedding), and its bfloat16 table is
 computed from them on load. A later load builds the model's skeleton from its
 config on the meta device, puts the modules back and assigns the tensors: no dense weights are
