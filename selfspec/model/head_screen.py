@@ -43,6 +43,7 @@ SHARE = 0.1  # the screen runs while its candidates average at most this share o
 WEIGHT = 0.1  # of the latest call in that average
 PROBE_EVERY = 64  # calls: a screen that stopped paying tries again after this many (its text may have moved on) ...
 MAX_WAIT = 4096  # ... and twice as many after each probe that did not pay, up to this
+GATHER = 0.125  # of the vocabulary: more candidates than this in a call, and the full head runs instead
 OUTPUTS = 16  # the product kernels' outputs a task: candidates are gathered in whole tasks
 
 
@@ -109,13 +110,16 @@ def top1_logits(x: torch.Tensor, screen: HeadScreen, exact) -> torch.Tensor | No
     """Logits [n, out] float32 for x [n, in] whose every row's argmax is the full head's: the
     candidates' exact logits, -inf elsewhere. exact(x, rows) computes the full head's logits
     [n, len(rows)] of the given vocabulary rows with its own kernel. None where the screen cannot
-    tell (x not finite) or does not pay (HeadScreen.pays): the caller runs the full head."""
+    tell (x not finite), does not pay (HeadScreen.pays) or kept more than GATHER of the vocabulary
+    this call (a flat distribution: a wrong draft token's next row): the caller runs the full head."""
     if not screen.pays():
         return None
     rows = screen.candidates(x)
     if rows is None:
         return None
     screen.note(rows.numel() / x.shape[0])
+    if rows.numel() > GATHER * screen.bounds.shape[1]:  # gathering them would cost more than the full head
+        return None
     if rows.numel() % OUTPUTS:  # whole tasks of the kernel's outputs, the padding a repeat of the last row
         rows = torch.cat([rows, rows[-1:].expand(OUTPUTS - rows.numel() % OUTPUTS)])
     logits = torch.full((x.shape[0], screen.bounds.shape[1]), float("-inf"))
