@@ -316,7 +316,7 @@ class ModelAdapter:
             def product(rows):
                 return torch.cat([part(rows[i:i + gemv.MAX_ROWS]) for i in range(0, rows.shape[0], gemv.MAX_ROWS)])
 
-            logits = self._screened(rows, part, product) if top1 else None
+            logits = self._screened(rows, part) if top1 else None
             if logits is None:
                 logits = product(rows)
             logits = logits.view(x.shape[0], -1, logits.shape[-1]).float()
@@ -326,7 +326,7 @@ class ModelAdapter:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def _screened(self, rows: torch.Tensor, part, product) -> torch.Tensor | None:
+    def _screened(self, rows: torch.Tensor, part) -> torch.Tensor | None:
         """top1 logits of rows [n, hidden] through the head's screen (selfspec.model.head_screen),
         the candidates' from the head's own kernel (`part` on their gathered rows); None where
         there is no screen, or it cannot tell."""
