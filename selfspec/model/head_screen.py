@@ -94,7 +94,7 @@ class HeadScreen(torch.nn.Module):
             packed.append(part.packed)
             sz.append(part.scales_zeros)
         approx = Int4Linear(torch.cat(packed), torch.cat(sz), None)
-        return cls(approx, torch.cat(bounds, 1).float().contiguous())
+        return cls(approx, torch.cat(bounds, 1).contiguous())
 
     def candidates(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [n, in] bfloat16 (the head's normed input): the ascending indices of every token that

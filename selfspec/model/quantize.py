@@ -82,20 +82,21 @@ def quantize_int8(hf_model: torch.nn.Module) -> int:
                 parent = layer.get_submodule(parent_name) if parent_name else layer
                 setattr(parent, child, Int8Linear.from_linear(module, ACTIVATION_DTYPE))
                 count += 1
-    hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
-    quantize_embedding(hf_model, tied)
-    screen_head(hf_model.lm_head)
+    int8_head(hf_model, tied)
     hf_model.train(hf_model.training)  # the new modules in the model's mode (eval, as loaded)
     return count
 
 
-def screen_head(head: Int8Linear) -> None:
-    """Give an int8 head its screen (selfspec.model.head_screen: greedy steps then read a 4-bit
-    copy of it and the few int8 rows that could win), where selfspec's 4-bit kernel builds and the
-    head has no bias."""
+def int8_head(hf_model: torch.nn.Module, tied: bool) -> None:
+    """The LM head as an Int8Linear, the embedding's int8 rows (`quantize_embedding`), and the
+    head's screen (selfspec.model.head_screen: greedy steps then read a 4-bit copy of it and the
+    few int8 rows that could win) where selfspec's 4-bit kernel builds and the head has no bias."""
     from selfspec.model.head_screen import HeadScreen
 
-    if (gemv.available() and head.weight.device.type == "cpu" and head.bias is None and head.in_features % 32 == 0 and head.out_features % 16 == 0):
+    head = hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
+    quantize_embedding(hf_model, tied)
+    if (gemv.available() and head.weight.device.type == "cpu" and head.bias is None
+            and head.in_features % 32 == 0 and head.out_features % 16 == 0):
         head.screen = HeadScreen.of(head.weight, head.scale)
 
 
@@ -476,9 +477,7 @@ def quantize_int4(hf_model: torch.nn.Module, group: int = INT4_GROUP, layout: st
                                                layout=layout)
         quantize_embedding(hf_model, tied=False)  # int8 rows of its own: the head's 4-bit rows are not them
     else:
-        hf_model.lm_head = Int8Linear.from_linear(hf_model.lm_head, ACTIVATION_DTYPE)
-        quantize_embedding(hf_model, tied)
-        screen_head(hf_model.lm_head)
+        int8_head(hf_model, tied)
     hf_model.train(hf_model.training)  # the new modules in the model's mode (eval, as loaded)
     return count
 

@@ -41,7 +41,6 @@ from selfspec.model.loading import (
     resolve_checkpoint,
 )
 from selfspec.model import head_screen
-from selfspec.model.head_screen import HeadScreen
 from selfspec.model.quantize import (
     ACTIVATION_DTYPE,
     EMBEDDING_INT8,
@@ -202,7 +201,7 @@ def read(path: Path, checkpoint: Path, mode: str, head: str = "int8") -> torch.n
             module = Int8Linear(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.scale"), bias)
             if f"{name}.screen.bounds" in tensors:
                 approx = Int4Linear(tensors.pop(f"{name}.screen.packed"), tensors.pop(f"{name}.screen.scales_zeros"), None)
-                module.screen = HeadScreen(approx, tensors.pop(f"{name}.screen.bounds"))
+                module.screen = head_screen.HeadScreen(approx, tensors.pop(f"{name}.screen.bounds"))
         built[name] = module
         if entry.get("attached", True):
             model.set_submodule(name, module, strict=True)

@@ -218,7 +218,8 @@ Tensor int4_prefill(const Tensor& x, const Tensor& q, const Tensor& sz, const st
 // double: its norm, the norm of the int4 kernel's int8 error (within 0.51 of each block's step max
 // |x_b| / 127), the int8 head's int16 error (0.51 of max |x| / 16383 a feature), ||x||_1 and float
 // sums' (K + 64) 2^-23; with the bfloat16 results' 2^-8 of max |approx| and 2^-7 of slack, token
-// j's gap g_j bounds |int8 logit - approx| (head_screen.py's docstring). Returns, ascending, every
+// j's gap g_j bounds |int8 logit - approx| (head_screen.py's docstring). Two passes over the
+// vocabulary, across threads: the gaps and both maxima, then the comparison. Returns, ascending, every
 // token j with approx[r, j] + g_j >= max_i (approx[r, i] - g_i) for some row r; an empty tensor of
 // shape [1] holding -1 where x is not finite (the caller runs the full head).
 Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) {
@@ -238,9 +239,11 @@ Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) 
         memcpy(&f, &u, 4);
         return f;
     };
-    std::vector<float> coef(n * 5);
+    // Per row of x, the gap's coefficients on bounds' four rows; its constant part, 2^-8 (and a
+    // slack) of max |approx|, is added once that maximum is known, after the first pass.
+    std::vector<float> coef(n * 4), shift(n);
     for (int64_t r = 0; r < n; r++) {
-        double sq = 0, l1 = 0, err4 = 0, steps = 0, top = 0, largest = 0;
+        double sq = 0, l1 = 0, err4 = 0, steps = 0, top = 0;
         for (int64_t blk = 0; blk < K / 32; blk++) {
             double m = 0;
             for (int i = 0; i < 32; i++) {
@@ -251,14 +254,12 @@ Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) 
             const double step = m / 127.0;
             err4 += 32 * step * step, steps += step, top = std::max(top, m);
         }
-        for (int64_t j = 0; j < V; j++) largest = std::max(largest, (double)std::fabs(value(a[r * V + j])));
         const double norm = std::sqrt(sq), sums = (K + 64) * std::ldexp(1.0, -23), slack = 1 + std::ldexp(1.0, -7);
-        float* c = coef.data() + r * 5;
+        float* c = coef.data() + r * 4;
         c[0] = (float)(norm * slack);
         c[1] = (float)(0.51 * std::sqrt(err4) * slack);
         c[2] = (float)((0.51 * std::sqrt((double)K) * top / 16383.0 + sums * norm) * slack);
         c[3] = (float)(sums * (l1 + 0.51 * 32 * steps) * slack);
-        c[4] = (float)(largest * (std::ldexp(1.0, -8) * slack + std::ldexp(1.0, -7)));
     }
     constexpr int64_t grain = 8192;
     const int64_t chunks = (V + grain - 1) / grain;
@@ -266,27 +267,34 @@ Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) 
     static thread_local std::vector<uint8_t> keep;
     gap.resize(std::max<size_t>(gap.size(), n * V));
     keep.resize(std::max<size_t>(keep.size(), V));
-    std::vector<float> lows(chunks * n, -INFINITY), floors(n, -INFINITY);
+    std::vector<float> lows(chunks * n, -INFINITY), tops(chunks * n, 0.f), floors(n, -INFINITY);
     float* g_all = gap.data();
     uint8_t* kept = keep.data();
+    // First pass: each token's gap without the constant, max (approx - it) and max |approx| a row.
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t ch = c0; ch < c1; ch++) {
             const int64_t j0 = ch * grain, j1 = std::min(V, j0 + grain);
             for (int64_t r = 0; r < n; r++) {
-                const float* cr = coef.data() + r * 5;
+                const float* cr = coef.data() + r * 4;
                 float* g = g_all + r * V;
                 const uint16_t* ar = a + r * V;
-                float low = -INFINITY;
+                float low = -INFINITY, top = 0.f;
                 for (int64_t j = j0; j < j1; j++) {
-                    g[j] = cr[0] * b[j] + cr[1] * b[V + j] + cr[2] * b[2 * V + j] + cr[3] * b[3 * V + j] + cr[4];
-                    low = std::max(low, value(ar[j]) - g[j]);
+                    g[j] = cr[0] * b[j] + cr[1] * b[V + j] + cr[2] * b[2 * V + j] + cr[3] * b[3 * V + j];
+                    const float aj = value(ar[j]);
+                    low = std::max(low, aj - g[j]), top = std::max(top, std::fabs(aj));
                 }
-                lows[ch * n + r] = low;
+                lows[ch * n + r] = low, tops[ch * n + r] = top;
             }
         }
     });
-    for (int64_t ch = 0; ch < chunks; ch++)
-        for (int64_t r = 0; r < n; r++) floors[r] = std::max(floors[r], lows[ch * n + r]);
+    for (int64_t r = 0; r < n; r++) {
+        float top = 0.f;
+        for (int64_t ch = 0; ch < chunks; ch++)
+            floors[r] = std::max(floors[r], lows[ch * n + r]), top = std::max(top, tops[ch * n + r]);
+        shift[r] = (float)(top * (std::ldexp(1.0, -8) * (1 + std::ldexp(1.0, -7)) + std::ldexp(1.0, -7)));
+        floors[r] -= 2 * shift[r];  // a token is kept where approx + g + shift >= max(approx - g) - shift
+    }
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t j = c0 * grain, j1 = std::min(V, c1 * grain); j < j1; j++) {
             bool k = false;
