@@ -26,8 +26,8 @@ exactness; tests/test_head_screen.py checks the argmax and the candidates' bits 
 head on adversarial rows (duplicates, near-ties), every kernel path.
 
 Only greedy picks use it (`ModelAdapter.head(..., top1=True)`); sampling needs every logit. It
-runs while its candidates stay few (`HeadScreen.pays`): on Qwen2.5-Coder 1.5B a one-token step took
-~0.96x the full head's time (2-core AMD EPYC), while SmolLM2's and Gemma 3's bounds keep a fifth
+runs while its candidates stay few (`HeadScreen.pays`): on Qwen2.5-Coder 1.5B a decode round took
+0.96-0.98x its time with the full head (idle 2-core AMD EPYC), while SmolLM2's and Gemma 3's bounds keep a fifth
 or more of their vocabularies, so there it steps aside after its first call. Its cost is memory:
 the 4-bit copy (0.13 GB for the 1.5B) beside the int8 head, which is also the embedding's table.
 """
