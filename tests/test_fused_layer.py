@@ -251,6 +251,52 @@ def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n, path):
         assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int4"])
+@pytest.mark.parametrize("counts", [(1, 5, 3, 7), (4, 1, 1, 9, 2, 6, 1)])
+def test_a_ragged_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, counts, path):
+    """run_ragged (sequences of different row counts sharing calls unpadded, kernels/layer.h
+    layer_spans with each span's own row count): every row's hidden state and every cache entry it
+    writes equal its sequence's one-sequence forward, whether a call holds one sequence or several
+    (the second case: 24 rows, more than one call of 16 takes where 4-bit tiles do not run)."""
+    model = _quantized("qwen2", dtype)
+    adapter = model.adapter
+    assert adapter.ragged_rows(max(counts)) >= fused_layer.ROWS
+    prompts = [torch.randint(0, VOCAB, (8 + b,), generator=torch.Generator().manual_seed(b)) for b in range(len(counts))]
+    rows = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(50 + n + b)) for b, n in enumerate(counts)]
+
+    def prefilled():
+        caches = [adapter.new_cache(40) for _ in prompts]
+        with torch.inference_mode():
+            for ids, cache in zip(prompts, caches):
+                adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), 0, cache)
+        return caches
+
+    alone, together = prefilled(), prefilled()
+    ops = []
+    op = adapter.step.fused._rows_op
+    adapter.step.fused._rows_op = lambda x, *args: ops.append(x.shape[0]) or op(x, *args)
+    with torch.inference_mode():
+        lone = [adapter.run_layers(adapter.embed(r), range(adapter.n_layers), len(p), c, rowwise=True)[0]
+                for r, p, c in zip(rows, prompts, alone)]
+        ragged = adapter.run_ragged(adapter.embed(torch.cat(rows))[0], range(adapter.n_layers),
+                                    [len(p) for p in prompts], list(counts), together)
+    groups = fused_layer.calls(list(counts), adapter.step.fused.chunk)  # one op call a layer for each
+    assert ops == [sum(counts[b] for b in group) for group in groups for _ in range(adapter.n_layers)]
+    assert torch.equal(ragged, torch.cat(lone))
+    for b, n in enumerate(counts):
+        end = len(prompts[b]) + n
+        assert torch.equal(together[b].keys[:, :, :, :end], alone[b].keys[:, :, :, :end])
+        assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])
+
+
+def test_ragged_calls_fill_each_call_in_order():
+    """fused_layer.calls: consecutive sequences while their rows fit, a longer one alone."""
+    assert fused_layer.calls([1, 5, 3, 7], 16) == [[0, 1, 2, 3]]
+    assert fused_layer.calls([4, 1, 1, 9, 2, 6, 1], 16) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert fused_layer.calls([3, 20, 2], 16) == [[0], [1], [2]]
+    assert fused_layer.calls([16, 1], 16) == [[0], [1]]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
 def test_a_4_bit_prefill_runs_row_by_row_where_its_products_run_tiles(arch, path):
     """With 4-bit weights whose products run many rows in tiles (AVX512-VNNI), a prefill of any

@@ -259,19 +259,17 @@ def verify_forward(
 
 
 def verify_rows(adapter: ModelAdapter, seqs: list[Decoding], drafts: list[Draft]) -> list[torch.Tensor]:
-    """The verify of several sequences in one full-depth forward: row b is seqs[b]'s pending token
-    and draft, padded to the longest draft (padding positions are written past the row's own
-    positions and never committed). Returns each row's logits [γ_b+1, vocab], each computed as
-    that sequence's own verify would. The draft's KV of layers < k is recomputed, not reused."""
-    n = max(len(d) for d in drafts) + 1
-    rows = []
-    for seq, draft in zip(seqs, drafts):
-        ids = torch.cat([seq.pending, draft.tokens])
-        rows.append(torch.cat([ids, ids[-1:].expand(n - ids.numel())]))  # pad with the last token
-    h = adapter.embed(torch.cat(rows)).view(len(rows), n, -1)  # [B, n, hidden]
-    h = adapter.run_rows(h, range(adapter.n_layers), [s.start for s in seqs], [s.cache for s in seqs])
-    logits = adapter.head_rows(h, top1=all(s.sampling.greedy for s in seqs))  # [B, n, vocab]
-    return [logits[b, : len(d) + 1] for b, d in enumerate(drafts)]
+    """The verify of several sequences in one full-depth forward: sequence b's pending token and
+    draft, its γ_b + 1 rows, unpadded where the fused layer runs (`ModelAdapter.run_ragged`; else
+    padded to the longest draft, the padding written past the row's own positions and never
+    committed). Returns each sequence's logits [γ_b+1, vocab], each computed as that sequence's own
+    verify would. The draft's KV of layers < k is recomputed, not reused."""
+    counts = [len(d) + 1 for d in drafts]
+    ids = torch.cat([torch.cat([seq.pending, draft.tokens]) for seq, draft in zip(seqs, drafts)])
+    h = adapter.embed(ids).view(ids.numel(), -1)  # [sum(counts), hidden]
+    h = adapter.run_ragged(h, range(adapter.n_layers), [s.start for s in seqs], counts, [s.cache for s in seqs])
+    logits = adapter.head_rows(h.unsqueeze(1), top1=all(s.sampling.greedy for s in seqs))[:, 0]  # [rows, vocab]
+    return list(logits.split(counts))
 
 
 _STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> {context bucket: seconds}

@@ -286,6 +286,29 @@ class ModelAdapter:
                     cache.write_exit_states(start, h[b])
         return h
 
+    def run_ragged(self, x: torch.Tensor, layers, starts: list[int], counts: list[int],
+                   caches: list[KVCache]) -> torch.Tensor:
+        """`run_rows` for sequences of different row counts: x [sum(counts), hidden], counts[b] rows
+        of sequence b in turn. Through the fused layer unpadded (one call a layer for as many rows
+        as a call takes: FusedLayers.run_ragged), else padded to the longest (with its last row) and
+        run by `run_rows`. Every row is its sequence's lone verify's, as there."""
+        if len(starts) != len(counts) or len(caches) != len(counts) or sum(counts) != x.shape[0]:
+            raise ValueError(f"{x.shape[0]} rows need row counts adding up to them, and a start and cache each")
+        if self.ragged_rows(max(counts)) and not gemv.needs_grad(x):
+            return self.step.fused.run_ragged(x, list(layers), list(starts), list(counts), list(caches))
+        n, rows, row = max(counts), [], 0
+        for count in counts:
+            part = x[row:row + count]
+            rows.append(torch.cat([part, part[-1:].expand(n - count, -1)]))
+            row += count
+        h = self.run_rows(torch.stack(rows), layers, starts, caches)
+        return torch.cat([h[b, :count] for b, count in enumerate(counts)])
+
+    def ragged_rows(self, n: int) -> int:
+        """The most rows one call of a ragged batched verify takes where sequences of up to n rows
+        each share calls unpadded (`run_ragged` through the fused layer); 0 where they are padded."""
+        return self.step.fused.chunk if self.step is not None and self.step.runs_rowwise(n) else 0
+
     def head(self, h: torch.Tensor, top1: bool = False) -> torch.Tensor:
         """hidden states [1, n, hidden] -> logits [n, vocab] in float32. top1: only each row's
         argmax is wanted (greedy): an int8 head with a screen then computes only the logits that

@@ -103,6 +103,41 @@ class FusedLayers:
                 cache.write_exit_states(start, x)
         return x.unsqueeze(0)
 
+    def run_ragged(self, x: torch.Tensor, layers, starts: list[int], counts: list[int], caches: list) -> torch.Tensor:
+        """x [sum(counts), hidden]: counts[b] rows of sequence b in turn, at positions starts[b].. of
+        its own cache caches[b] (a batched verify whose drafts differ in length, unpadded). Sequences
+        share calls of up to `calls`' limit rows; one of more rows runs alone, chunked as `run_rows`
+        chunks it. Each row is its sequence's one-sequence call's bit for bit (kernels/layer.h)."""
+        hidden, out, offsets = x.shape[-1], [], [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        for group in calls(counts, self.chunk):
+            lo, hi = offsets[group[0]], offsets[group[-1] + 1]
+            if len(group) == 1 and counts[group[0]] > self.chunk:
+                b = group[0]
+                out.append(self.run_rows(x[None, lo:hi], layers, [starts[b]], [caches[b]])[0])
+                continue
+            part = x[lo:hi].clone(memory_format=torch.contiguous_format)
+            self._layers_over(part, layers, [starts[b] for b in group], [counts[b] for b in group],
+                              [caches[b] for b in group])
+            out.append(part)
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _layers_over(self, x: torch.Tensor, layers, starts: list[int], counts: list[int], caches: list) -> None:
+        """x [sum(counts), hidden] in place through `layers`: one call of the op a layer."""
+        adapter, shape, op, tables = self.adapter, self.shape, self._rows_op, self.adapter.rope_tables()
+        keys, values = [c.keys for c in caches], [c.values for c in caches]
+        for layer in layers:
+            spec = adapter.specs[layer]
+            cos, sin = tables[spec.rope]
+            op(x, self.weights[layer], cos, sin, keys, values, starts, counts, layer, shape.n_heads, self.act,
+               shape.sandwich, shape.qk_norm, shape.eps, shape.scale, spec.window or 0, True, True)
+            row = 0
+            for start, n, cache in zip(starts, counts, caches):
+                if cache.exit_layer == layer + 1:  # h_k, beside layer k-1's keys (see KVCache)
+                    cache.write_exit_states(start, x[row:row + n])
+                row += n
+
     def run_rows(self, h: torch.Tensor, layers, starts: list[int], caches: list) -> torch.Tensor:
         """h [B, n, hidden]: row b at positions starts[b].. of its own cache caches[b] (a batched
         verify), as many sequences a call as ROWS rows hold; more than ROWS rows a sequence in chunks
@@ -113,26 +148,28 @@ class FusedLayers:
         if n > ROWS:
             return torch.cat([self.run_rows(h[:, i:i + ROWS], layers, [s + i for s in starts], caches)
                               for i in range(0, n, ROWS)], dim=1)
-        adapter, shape, op = self.adapter, self.shape, self._rows_op
         per_call = max(1, ROWS // n)
-        tables = adapter.rope_tables()
         out = []
         for g in range(0, b, per_call):
             group = range(g, min(b, g + per_call))
             x = h[g:g + len(group)].reshape(-1, hidden).clone(memory_format=torch.contiguous_format)
-            keys = [caches[i].keys for i in group]
-            values = [caches[i].values for i in group]
-            starts_g = [int(starts[i]) for i in group]
-            for layer in layers:
-                spec = adapter.specs[layer]
-                cos, sin = tables[spec.rope]
-                op(x, self.weights[layer], cos, sin, keys, values, starts_g, layer, shape.n_heads, self.act,
-                   shape.sandwich, shape.qk_norm, shape.eps, shape.scale, spec.window or 0, True, True)
-                for j, i in enumerate(group):
-                    if caches[i].exit_layer == layer + 1:  # h_k, beside layer k-1's keys (see KVCache)
-                        caches[i].write_exit_states(starts[i], x[j * n:(j + 1) * n])
+            self._layers_over(x, layers, [int(starts[i]) for i in group], [n] * len(group), [caches[i] for i in group])
             out.append(x.view(len(group), n, hidden))
         return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def calls(counts: list[int], limit: int) -> list[list[int]]:
+    """Sequences (by index) with counts[b] rows each, in order, into the fused calls of a ragged
+    batched verify (`FusedLayers.run_ragged`): consecutive sequences while their rows fit `limit`;
+    a sequence of more rows than that alone (its own calls chunk it)."""
+    groups, rows = [], limit + 1
+    for b, n in enumerate(counts):
+        if rows + n > limit or n > limit:
+            groups.append([])
+            rows = 0
+        groups[-1].append(b)
+        rows += n
+    return groups
 
 
 def norm_eps(norm, default: float) -> float:

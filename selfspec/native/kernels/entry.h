@@ -62,10 +62,11 @@ int selfspec_int4_dequantize(const uint8_t* Q, const uint8_t* S, void* W, int bf
 struct Span {
     void *kc, *vc;
     long capacity, start;
+    long rows;  // this sequence's rows in the call (sequences may differ: a ragged batched verify)
 };
 // One decoder layer over h [n, hidden] in place (layer.h, `layer_spans`): the rows of nspans
-// sequences, n / nspans each in turn, each with its own Span (one sequence, or a batched verify's
-// several); siblings: one span only. dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16
+// sequences, spans[s].rows each in turn (summing to n), each with its own Span (one sequence, or a
+// batched verify's several, of any row counts); siblings: one span only. dtype: 0 bfloat16 weights, 1 int8 weights (bfloat16
 // activations), 2 float32 throughout, 3 4-bit blocks (quant4.h; bfloat16 activations, the scales'
 // pointers then point at each matrix's quant4.h scales, [N, groups, 38] bytes).
 int selfspec_layer(const Dims* d, const Weights* w, int dtype, void* h, int n, const Span* spans, int nspans,

@@ -399,22 +399,39 @@ static void activation(const E* gu, E* act, long I, int kind, bool gated) {
 // token at its position would (the same keys in the same order), and the caller keeps the slot
 // of the alternative it accepts.
 //
-// Spans: the rows of several sequences in one call (a batched verify), each sequence's `per` rows
-// in turn with its own cache (entry.h's Span: the layer's keys and values, capacity, first row's
-// position); one span is one sequence. The products take all rows together; each row's rotary,
-// cache write and attention are its own sequence's, so every row is its one-sequence call's bit
-// for bit.
+// Spans: the rows of several sequences in one call (a batched verify), each sequence's rows in
+// turn with its own cache (entry.h's Span: the layer's keys and values, capacity, first row's
+// position, row count; the counts may differ: drafts of different lengths share the call unpadded);
+// one span is one sequence. The products take all rows together; each row's rotary, cache write and
+// attention are its own sequence's, its attention chunked as its one-sequence call chunks it, so
+// every row is its one-sequence call's bit for bit.
 template <typename T, typename E>
 static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span* spans, int nspans, long window,
                        const E* cos, const E* sin, int do_attn, int do_mlp, int threads, int siblings = 0) {
     const long H = d.hidden, hd = d.head_dim, nh = d.heads, nkv = d.kv_heads, I = d.inter;
     const long qdim = nh * hd, qkv_dim = (nh + 2 * nkv) * hd;
     const int most = std::is_same_v<T, uint8_t> ? INT4_LAYER_ROWS : MAX_ROWS;  // 4-bit products take any rows
-    if (n < 1 || n > most || hd % 16 || hd > 512 || H % 8 || I % 8 || nspans < 1 || n % nspans) return 1;
-    const int per = n / nspans;
+    if (n < 1 || n > most || hd % 16 || hd > 512 || H % 8 || I % 8 || nspans < 1 || nspans > n) return 1;
     if (siblings && nspans > 1) return 1;
-    for (int s = 0; s < nspans; s++)
-        if (spans[s].start < 0 || spans[s].start + per > spans[s].capacity) return 1;
+    // owner[r]: the span of row r; first[s]: its first row. The attention's tasks: tasks[s] ..
+    // tasks[s + 1] - 1 are span s's (kv heads × chunks of its queries).
+    static thread_local std::vector<int> owner;
+    static thread_local std::vector<long> first, chunks, tasks;
+    owner.resize(n), first.resize(nspans), chunks.resize(nspans), tasks.resize(nspans + 1);
+    const long group = nh / nkv, most_q = rows_per_attend(hd);
+    long rows = 0;
+    tasks[0] = 0;
+    for (int s = 0; s < nspans; s++) {
+        const long per = spans[s].rows;
+        if (per < 1 || rows + per > n || spans[s].start < 0 || spans[s].start + per > spans[s].capacity) return 1;
+        for (long r = rows; r < rows + per; r++) owner[r] = s;
+        first[s] = rows, rows += per;
+        chunks[s] = (per * group + most_q - 1) / most_q;
+        tasks[s + 1] = tasks[s] + nkv * chunks[s];
+    }
+    if (rows != n) return 1;
+    // Plain pointers for the parallel loop (other threads' thread_local vectors are their own).
+    const long *span_first = first.data(), *span_chunks = chunks.data(), *span_tasks = tasks.data();
     const long widest = std::max(std::max(H, I), qdim);
     static thread_local std::vector<E> work;
     static thread_local std::vector<float> X;
@@ -429,8 +446,8 @@ static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span*
         for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_in, x + r * H, H, d.eps, gemma);
         linear<T, E>(w.wqkv, x, w.sqkv, w.bqkv, qkv, qkv_dim, H, n, threads, X.data());
         for (int r = 0; r < n; r++) {
-            const Span& sp = spans[r / per];
-            const long i = r % per, capacity = sp.capacity;
+            const Span& sp = spans[owner[r]];
+            const long i = r - span_first[owner[r]], capacity = sp.capacity;
             const long p = siblings && i ? sp.start + 1 : sp.start + i, slot = sp.start + i;
             E* row = qkv + r * qkv_dim;
             for (long head = 0; head < nh + nkv; head++) {
@@ -443,20 +460,22 @@ static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span*
                 memcpy((E*)sp.vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
             }
         }
-        // The queries of a span's KV head g are the (row, head) pairs of its heads, per · group of
+        // The queries of a span's KV head g are the (row, head) pairs of its heads, rows · group of
         // them; a task takes a chunk of up to rows_per_attend of them, which read the keys together
         // (attend_rows).
-        const long group = nh / nkv, queries = per * group, most = rows_per_attend(hd);
-        const long chunks = (queries + most - 1) / most, tasks = nspans * nkv * chunks;
+        const long all = span_tasks[nspans];
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (long t = 0; t < tasks; t++) {
-            const Span& sp = spans[t / (nkv * chunks)];
-            const long g = t / chunks % nkv, c = t % chunks, i0 = c * queries / chunks, first = t / (nkv * chunks) * per;
-            const int count = (int)((c + 1) * queries / chunks - i0);  // balanced chunks
+        for (long t = 0; t < all; t++) {
+            int s = 0;
+            while (span_tasks[s + 1] <= t) s++;
+            const Span& sp = spans[s];
+            const long queries = sp.rows * group, cs = span_chunks[s], u = t - span_tasks[s];
+            const long g = u / cs, c = u % cs, i0 = c * queries / cs, row0 = span_first[s];
+            const int count = (int)((c + 1) * queries / cs - i0);  // balanced chunks
             E *qs[MAX_ATTEND], *os[MAX_ATTEND];
             long los[MAX_ATTEND], ps[MAX_ATTEND], owns[MAX_ATTEND];
             for (int q = 0; q < count; q++) {
-                const long i = (i0 + q) / group, r = first + i, head = g * group + (i0 + q) % group;
+                const long i = (i0 + q) / group, r = row0 + i, head = g * group + (i0 + q) % group;
                 const long p = siblings && i ? sp.start + 1 : sp.start + i;
                 qs[q] = qkv + r * qkv_dim + head * hd, os[q] = o + r * qdim + head * hd;
                 los[q] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, ps[q] = p, owns[q] = sp.start + i;
@@ -488,6 +507,6 @@ static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span*
 template <typename T, typename E>
 static int layer(const Dims& d, const Weights& w, E* h, int n, long start, long window, const E* cos, const E* sin,
                  E* kc, E* vc, long capacity, int do_attn, int do_mlp, int threads, int siblings = 0) {
-    const Span span{kc, vc, capacity, start};
+    const Span span{kc, vc, capacity, start, n};
     return layer_spans<T, E>(d, w, h, n, &span, 1, window, cos, sin, do_attn, do_mlp, threads, siblings);
 }

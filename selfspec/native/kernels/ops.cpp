@@ -377,13 +377,15 @@ static int layer_weights(const Tensor& x, const std::vector<std::optional<Tensor
     return T == at::kBFloat16 ? 0 : int8 ? 1 : int4 ? 3 : 2;
 }
 
-// The layer over x [n, hidden]: its rows are len(starts) sequences', n / len(starts) each in turn;
-// sequence s's rows at positions starts[s].. of its own cache keys[s], values[s] (each [layers, 1,
-// kv_heads, capacity, head_dim], capacities free). siblings: one sequence only (layer.h).
+// The layer over x [n, hidden]: its rows are len(starts) sequences', counts[s] rows of sequence s in
+// turn (empty counts: n / len(starts) each); sequence s's rows at positions starts[s].. of its own
+// cache keys[s], values[s] (each [layers, 1, kv_heads, capacity, head_dim], capacities free).
+// siblings: one sequence only (layer.h).
 static void layer_call(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
                        const Tensor& sin, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
                        const std::vector<int64_t>& starts, int64_t layer, int64_t heads, int64_t act, bool sandwich,
-                       bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp, bool siblings) {
+                       bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp, bool siblings,
+                       const std::vector<int64_t>& counts = {}) {
     const int64_t spans = (int64_t)starts.size();
     TORCH_CHECK(spans >= 1 && (int64_t)keys.size() == spans && (int64_t)values.size() == spans,
                 "one cache (keys and values) per start, got ", keys.size(), ", ", values.size(), " and ", spans);
@@ -394,21 +396,26 @@ static void layer_call(const Tensor& x, const std::vector<std::optional<Tensor>>
     Dims d{};
     const int dtype = layer_weights(x, weights, nkv, hd, heads, act, sandwich, qk_norm, eps, scale, w, d);
     const int64_t n = x.size(0);
-    TORCH_CHECK(n % spans == 0, n, " rows do not split over ", spans, " sequences");
+    TORCH_CHECK(counts.empty() || (int64_t)counts.size() == spans, "one row count per start, got ", counts.size(),
+                " and ", spans);
+    TORCH_CHECK(!counts.empty() || n % spans == 0, n, " rows do not split over ", spans, " sequences");
     TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
-    const int64_t per = n / spans;
     std::vector<Span> span(spans);
-    int64_t end = 0;
+    int64_t end = 0, total = 0;
     for (int64_t s = 0; s < spans; s++) {
+        const int64_t per = counts.empty() ? n / spans : counts[s];
+        TORCH_CHECK(per >= 1, "every sequence needs a row, sequence ", s, " has ", per);
+        total += per;
         TORCH_CHECK(keys[s].dim() == 5 && values[s].sizes() == keys[s].sizes(), "keys ", keys[s].sizes(),
                     " and values ", values[s].sizes(), " differ or are not 5-D");
         const int64_t capacity = keys[s].size(3);
         TORCH_CHECK(starts[s] >= 0 && starts[s] + per <= capacity, "positions ", starts[s], "..", starts[s] + per - 1,
                     " overrun the cache's ", capacity);
         span[s] = Span{cache_layer(keys[s], "keys", E, layer, nkv, hd), cache_layer(values[s], "values", E, layer, nkv, hd),
-                       capacity, starts[s]};
+                       capacity, starts[s], per};
         end = std::max(end, starts[s] + per);
     }
+    TORCH_CHECK(total == n, "the row counts add up to ", total, ", not the ", n, " rows of x");
     check_rope(cos, "cos", E, hd, end);
     check_rope(sin, "sin", E, hd, end);
     const int status = selfspec_layer(&d, &w, dtype, x.data_ptr(), (int)n, span.data(), (int)spans, window,
@@ -426,13 +433,14 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
                window, attn, mlp, siblings);
 }
 
-// Several sequences' rows (a batched verify; layer_call).
+// Several sequences' rows, counts[s] of sequence s (a batched verify, its drafts unpadded; layer_call).
 void fused_rows(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
                 const Tensor& sin, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
-                const std::vector<int64_t>& starts, int64_t layer, int64_t heads, int64_t act, bool sandwich,
-                bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp) {
+                const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, int64_t layer, int64_t heads,
+                int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t window, bool attn,
+                bool mlp) {
     layer_call(x, weights, cos, sin, keys, values, starts, layer, heads, act, sandwich, qk_norm, eps, scale, window,
-               attn, mlp, false);
+               attn, mlp, false, counts);
 }
 
 // The feature head's drafting step (feature.cpp) over previous, embedded [1, n, hidden]: returns the
@@ -509,8 +517,8 @@ SELFSPEC_LIBRARY(SELFSPEC_NS, m) {
           "int layer, int heads, int act, bool sandwich, bool qk_norm, float eps, float scale, int start, int window, "
           "bool attn, bool mlp, bool siblings) -> ()");
     m.def("fused_rows(Tensor(a!) x, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, "
-          "int[] starts, int layer, int heads, int act, bool sandwich, bool qk_norm, float eps, float scale, int window, "
-          "bool attn, bool mlp) -> ()");
+          "int[] starts, int[] counts, int layer, int heads, int act, bool sandwich, bool qk_norm, float eps, "
+          "float scale, int window, bool attn, bool mlp) -> ()");
     m.def("feature_step(Tensor previous, Tensor embedded, Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!) keys, "
           "Tensor(b!) values, Tensor(c!)? logits, int heads, float eps, float scale, float final_eps, float softcap, "
           "bool final_gemma, int start) -> Tensor");
