@@ -14,10 +14,8 @@ PROMPTS = [PROMPT, REPETITIVE, [7, 3, 9], PROMPT[:4] + REPETITIVE[:6], [11] * 12
 @pytest.fixture
 def every_draft(monkeypatch):
     """Batches verify every draft (no row's draft dropped for a plain step), so the accept path runs."""
-    from selfspec.core.batch import partition
-
-    monkeypatch.setattr(Scheduler, "_choose", lambda self, rows, drafts: (
-        {i for i, n in enumerate(drafts) if n}, partition([n + 1 for n in drafts], self._cost(rows))))
+    monkeypatch.setattr(Scheduler, "_choose", lambda self, rows, drafts, confidences=None: (
+        list(drafts), self._timer(rows)(list(drafts), parts=True)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -185,41 +183,51 @@ def test_partition_groups_rows_by_the_least_estimated_time():
     assert partition([], linear) == []
 
 
-def test_a_batch_keeps_the_drafts_that_pay_and_drops_the_rest(monkeypatch):
-    """Per row: beside two rows whose drafts are rarely accepted, the row whose drafts usually are
-    keeps its draft (verified in its own forward), the others step plain; with every row's drafts
-    accepted as rarely, none is kept; before anything was timed, all are."""
+def test_a_batch_keeps_the_draft_tokens_that_pay_and_cuts_the_rest(monkeypatch):
+    """Per draft token: beside two rows whose drafts are rarely accepted, the row whose drafts
+    usually are keeps a draft, the others step plain; with every row's drafts accepted as rarely,
+    none is kept; a draft whose drafter gave its tokens' chances keeps its likely head and loses
+    its doubtful tail; before anything was timed, every draft stays whole."""
     from types import SimpleNamespace
 
     def row(accepted, drafted):
         return (None, SimpleNamespace(stats=SimpleNamespace(accepted=accepted, drafted=drafted)), None)
 
-    def linear(members, n):  # a step, plus a tenth of a step a row
-        return 1 + 0.1 * (len(members) * n - 1)
+    def unpadded(per_row):  # one shared forward: a step, plus per_row of a step a row
+        def timer(lengths, parts=False):
+            return [list(range(len(lengths)))] if parts else 1 + per_row * (sum(n + 1 for n in lengths) - 1)
+        return timer
 
     scheduler = Scheduler(adapter=None)
-    monkeypatch.setattr(Scheduler, "_cost", lambda self, rows: linear)
+    monkeypatch.setattr(Scheduler, "_timer", lambda self, rows: unpadded(0.1))
     keep, parts = scheduler._choose([row(1, 20), row(90, 100), row(1, 20)], [8, 8, 8])
-    assert keep == {1} and sorted(map(sorted, parts)) == [[0, 2], [1]]
-    keep, parts = scheduler._choose([row(1, 20), row(2, 20), row(1, 20)], [8, 8, 8])
-    assert keep == set() and parts == [[0, 1, 2]]
-    monkeypatch.setattr(Scheduler, "_cost", lambda self, rows: lambda members, n: None)
+    assert keep[0] == keep[2] == 0 and keep[1] > 2 and parts == [[0, 1, 2]]
+    keep, _ = scheduler._choose([row(1, 20), row(2, 20), row(1, 20)], [8, 8, 8])
+    assert keep == [0, 0, 0]
+    confident = [1.0, 1.0, 0.95, 0.9, 0.1, 0.9, 0.9, 0.9]  # a sure head, then a doubtful token
+    keep, _ = scheduler._choose([row(1, 20), row(1, 20), row(1, 20)], [8, 8, 8], [None, confident, None])
+    assert keep == [0, 4, 0]
+    monkeypatch.setattr(Scheduler, "_timer", lambda self, rows: unpadded(1.2))  # a row costs more than a step
+    keep, _ = scheduler._choose([row(1, 20), row(1, 20)], [8, 8], [None, confident])
+    assert keep == [0, 0]
+    monkeypatch.setattr(Scheduler, "_timer", lambda self, rows: lambda lengths, parts=False: (
+        [list(range(len(lengths)))] if parts else None))
     keep, _ = scheduler._choose([row(1, 20), row(90, 100), row(1, 20)], [8, 0, 8])
-    assert keep == {0, 2}
+    assert keep == [8, 0, 8]
 
 
 def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(tiny):
     """With a verify clock that makes each extra row cost a whole step, drafts cannot pay beside
     other rows: the batch runs plain steps (greedy output unchanged), after the first drafts
     without asking the drafters (but every PROBE_EVERY-th step), and a dropped draft teaches its
-    drafter nothing (no observe); with rows nearly free every draft is verified and observed."""
+    drafter nothing (no observe); with rows free every draft is verified whole and observed."""
     from selfspec.core.batch import PROBE_EVERY
     from selfspec.core.verify_clock import clock_for
 
     model = tiny("llama")
     want = [model.generate(p, method="ar", max_new_tokens=20).tokens for p in PROMPTS[:3]]
     clock = clock_for(model.adapter)
-    for per_row, dropped in ((1.0, True), (0.001, False)):
+    for per_row, dropped in ((1.0, True), (0.0, False)):
         clock.seconds = {n: 1.0 + per_row * (n - 1) for n in range(1, 33)}
         clock.add = lambda rows, seconds: None  # the set times stay
         runs = [model.prepare(p, fresh_drafter=True, method="lookup", draft_len=4, max_new_tokens=20) for p in PROMPTS[:3]]
@@ -245,3 +253,40 @@ def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(ti
         else:
             assert calls["propose"] == calls["observe"] == rounds
         del clock.add
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_drafts_a_batch_cuts_keep_greedy_output_and_teach_only_what_was_verified(tiny, arch, monkeypatch):
+    """Every batched draft cut to its first half (Decoding.cut; ModelAdapter.run_ragged verifies the
+    rows unpadded where the fused layer runs): every request's greedy tokens are still its plain
+    decoding's. The suffix drafter is told of each cut (`cut`) and learns from the tokens verified;
+    lookup, which has no `cut`, is not told of a cut round (no observe)."""
+    from selfspec.drafters.suffix import SuffixDraft, SuffixStore
+
+    model = tiny(arch)
+    want = [model.generate(p, method="ar", max_new_tokens=24).tokens for p in PROMPTS]
+    monkeypatch.setattr(Scheduler, "_choose", lambda self, rows, drafts, confidences=None: (
+        [n // 2 for n in drafts], self._timer(rows)([n // 2 for n in drafts], parts=True)))
+    store = SuffixStore()
+    for p, w in zip(PROMPTS, want):
+        store.add(list(p) + w)  # so suffix drafts long
+    suffix = [SuffixDraft(store, draft_len=8) for _ in PROMPTS]
+    cuts, observed = [], []
+    for d in suffix:
+        d.cut = lambda m, _f=d.cut: cuts.append(m) or _f(m)
+        d.observe = lambda n, _f=d.observe, _d=d: observed.append((len(_d._ratios), n)) or _f(n)
+    runs = [model.prepare(p, fresh_drafter=True, drafter=d, max_new_tokens=24) for p, d in zip(PROMPTS, suffix)]
+    scheduler = Scheduler(model.adapter, max_batch=len(PROMPTS))
+    outs = _submit(scheduler, runs)
+    while scheduler.step():
+        pass
+    assert [o["tokens"] for o in outs] == want
+    assert scheduler.totals.drafts_cut > 0 and cuts and max(cuts) >= 2
+    assert all(n <= verified for verified, n in observed)  # each round learnt from the verified tokens
+    lookups = [model.prepare(p, fresh_drafter=True, method="lookup", draft_len=6, max_new_tokens=24) for p in PROMPTS]
+    told = []
+    for run in lookups:
+        run.drafter.observe = lambda n: told.append(n)
+    assert _run_all(model, lookups, max_batch=len(PROMPTS)) == want
+    proposed_rounds = sum(run.stats.rounds for run in lookups)
+    assert len(told) < proposed_rounds

@@ -66,6 +66,12 @@ def test_the_engine_times_lone_verifies_and_the_suffix_drafter_cuts_by_them(tiny
     clock = clock_for(model.adapter)
     assert clock.estimate(1) is not None and max(clock.seconds) > 1  # drafts were verified and timed
     whole = SuffixDraft(store, draft_len=8)  # the default: drafts whole
+    proposed = []
+    propose = whole.propose
+    whole.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
     assert model.generate(prompt, drafter=whole, max_new_tokens=24).tokens == ar.tokens
-    assert whole.length is None
+    assert max(len(d) for d in proposed) == 8  # not cut
+    for d in proposed:  # each token's calibrated chance, for a batch to weigh it by
+        assert d.confidence is not None and len(d.confidence) == len(d)
+        assert all(0 < c <= 1 for c in d.confidence)
 

@@ -331,8 +331,8 @@ def test_exact_mode_batches_verifies_each_row_as_alone(dtype, path, monkeypatch)
     in calls of 16), give every request plain decoding's greedy tokens."""
     from selfspec.core import batch
 
-    monkeypatch.setattr(batch.Scheduler, "_choose", lambda self, rows, drafts: (  # every draft verified
-        {i for i, n in enumerate(drafts) if n}, batch.partition([n + 1 for n in drafts], self._cost(rows))))
+    monkeypatch.setattr(batch.Scheduler, "_choose", lambda self, rows, drafts, confidences=None: (  # every draft
+        list(drafts), self._timer(rows)(list(drafts), parts=True)))
     model = _quantized("qwen2", dtype)
     model.exact = True
     model.adapter.lean(exact_rows=4)

@@ -35,6 +35,7 @@ from selfspec.core.engine import Decoding, verify_forward, verify_rows
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.stats import GenerationStats, add_counts
 from selfspec.core.verify_clock import clock_for
+from selfspec.native import fused_layer
 from selfspec.native.fused_layer import ROWS
 
 log = logging.getLogger("selfspec.scheduler")
@@ -99,6 +100,7 @@ class Totals:
     steps: int = 0  # verify forwards (a scheduler step runs one or more)
     rows: int = 0  # sum over steps of the rows verified together
     drafts_dropped: int = 0  # drafts a batch verified as plain steps (Scheduler._worth_drafting)
+    drafts_cut: int = 0  # drafts a batch verified in part, their likeliest tokens (Scheduler._choose)
     drafting_skipped: int = 0  # rows a batch stepped plain without drafting (Scheduler._skip_drafting)
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -236,9 +238,11 @@ class Scheduler:
             logits = verify_rows(self.adapter, [s for _, s, _ in rows], [d for _, _, d in rows])
         rows[0][1].sync()
         verify_s = time.perf_counter() - t
-        n = max(len(d) for *_, d in rows) + 1
-        if len(rows) > 1 and len(rows) * n <= ROWS:  # one kernel call a layer, as a lone verify of that many rows
-            clock_for(self.adapter).add(len(rows) * n, verify_s)
+        counts = [len(d) + 1 for *_, d in rows]
+        ragged = self.adapter.ragged_rows(max(counts))  # unpadded (ModelAdapter.run_ragged), else padded
+        total = sum(counts) if ragged else len(rows) * max(counts)
+        if len(rows) > 1 and total <= (ragged or ROWS):  # one kernel call a layer, as a lone verify of that many rows
+            clock_for(self.adapter).add(total, verify_s)
         self.totals.verify_s += verify_s  # once per forward, however many rows shared it
         self.totals.steps += 1
         self.totals.rows += len(rows)
@@ -249,54 +253,100 @@ class Scheduler:
 
     def _skip_drafting(self, rows: list[tuple[Request, Decoding]]) -> set[int]:
         """Of the rows that share forwards, those (ids of their Decodings) that skip drafting this
-        step: greedy rows whose drafts of their recent lengths (Request.proposed) `_choose` would drop, so
-        drafting them is time spent for nothing. Every PROBE_EVERY-th step all draft, so a row whose
-        drafts grew (a long match) is seen."""
+        step: greedy rows whose drafts of their recent lengths (Request.proposed) `_choose` would drop
+        whole, so drafting them is time spent for nothing. Every PROBE_EVERY-th step all draft, so a
+        row whose drafts grew (a long match) is seen."""
         self._step_count += 1
         if self._step_count % PROBE_EVERY == 0 or len(rows) < 2:
             return set()
         if any(r.proposed is None or not r.sampling.greedy for r, _ in rows):
             return set()
         keep, _ = self._choose(rows, [max(1, round(r.proposed)) for r, _ in rows])
-        return {id(s) for i, (_, s) in enumerate(rows) if i not in keep}
+        return {id(s) for (_, s), m in zip(rows, keep) if not m}
 
-    def _choose(self, rows: list, drafts: list[int]) -> tuple[set[int], list[list[int]]]:
-        """(the rows, by index, whose drafts of these lengths to verify, the split of all rows into
-        shared forwards with them): the set expected to commit the most tokens per second. Rows
-        ranked by expected extra tokens per draft token; each head of that ranking (all, all but
-        the last, ..., none) split by `partition` and timed by the model's verify clock. Expected
-        tokens: each row's acceptance so far, a (Laplace's estimate), as 1 + a + a² + ... over its
-        draft. Every draft where nothing was timed yet."""
-        cost = self._cost(rows)
-        gain = []
-        for (_, seq, *_), n in zip(rows, drafts):
+    def _choose(self, rows: list, drafts: list[int],
+                confidences: list[list[float] | None] | None = None) -> tuple[list[int], list[list[int]]]:
+        """(how many of each row's draft tokens to verify, the split of all rows into shared
+        forwards with them): the choice expected to commit the most tokens per second. Draft token j
+        of a row is expected to commit the chance that its first j are accepted: the product of
+        the draft's confidences (Draft.confidence) where its drafter gave them, else a^j, a being
+        the row's acceptance so far (Laplace's estimate). Tokens join in the order of that
+        expectation (a row's in draft order, as it only falls); every such prefix is timed by the
+        model's verify clock (`_timer`), the best kept, ties to more tokens. Every draft whole where
+        nothing was timed yet."""
+        timer = self._timer(rows)
+        lengths = [0] * len(rows)
+        if timer(lengths) is None:
+            return list(drafts), timer([n for n in drafts], parts=True)
+        order = []
+        for i, ((_, seq, *_), n) in enumerate(zip(rows, drafts)):
+            given = confidences[i] if confidences else None
             a = (seq.stats.accepted + 1) / (seq.stats.drafted + 2)
-            gain.append(sum(a ** j for j in range(n + 1)))
-        ranked = sorted((i for i, n in enumerate(drafts) if n), key=lambda i: (gain[i] - 1) / drafts[i], reverse=True)
-        best = None
-        for k in range(len(ranked), -1, -1):  # every draft first: a tie keeps them
-            keep = set(ranked[:k])
-            lengths = [drafts[i] + 1 if i in keep else 1 for i in range(len(rows))]
-            parts = partition(lengths, cost)
-            seconds = _seconds(lengths, parts, cost)
-            if seconds is None:
-                return keep, parts
-            rate = sum(gain[i] if i in keep else 1.0 for i in range(len(rows))) / seconds
-            if best is None or rate > best[0]:
-                best = (rate, keep, parts)
-        return best[1], best[2]
+            chance = 1.0
+            for j in range(n):
+                chance *= min(1.0, given[j]) if given is not None and j < len(given) else a
+                order.append((chance, i, j))
+        order.sort(key=lambda t: (-t[0], t[1], t[2]))
+        tokens, best_k = float(len(rows)), 0
+        best = tokens / timer(lengths)
+        for k, (chance, i, _) in enumerate(order, 1):
+            lengths[i] += 1
+            tokens += chance
+            rate = tokens / timer(lengths)
+            if rate >= best:
+                best, best_k = rate, k
+        keep = [0] * len(rows)
+        for _, i, _ in order[:best_k]:
+            keep[i] += 1
+        return keep, timer(keep, parts=True)
 
     def _worth_drafting(self, rows: list) -> tuple[list, list[list[int]]]:
-        """The rows, and their split into shared verify forwards (`partition`). Several greedy
-        rows: the drafts `_choose` picks are kept, the others dropped (a plain step of those rows:
-        the batch already fills the rows a draft would add). Drafts stay before any verify was
-        timed, and where a row samples (a seeded row draws what it would alone)."""
+        """The rows, and their split into shared verify forwards. Several greedy rows: each draft
+        cut to the tokens `_choose` picks (none: a plain step of that row; the batch already fills
+        the rows a draft would add). Drafts stay whole before any verify was timed, and where a row
+        samples (a seeded row draws what it would alone)."""
         drafts = [len(d) for *_, d in rows]
         if len(rows) < 2 or max(drafts, default=0) == 0 or not all(r.sampling.greedy for r, *_ in rows):
-            return rows, partition([n + 1 for n in drafts], self._cost(rows))
-        keep, parts = self._choose(rows, drafts)
-        self.totals.drafts_dropped += sum(1 for i, n in enumerate(drafts) if n and i not in keep)
-        return [(r, seq, d if i in keep or not len(d) else seq.no_draft()) for i, (r, seq, d) in enumerate(rows)], parts
+            return rows, self._timer(rows)(drafts, parts=True)
+        keep, parts = self._choose(rows, drafts, [d.confidence for *_, d in rows])
+        self.totals.drafts_dropped += sum(1 for n, m in zip(drafts, keep) if n and not m)
+        self.totals.drafts_cut += sum(1 for n, m in zip(drafts, keep) if 0 < m < n)
+        return [(r, seq, seq.cut(d, m)) for (r, seq, d), m in zip(rows, keep)], parts
+
+    def _timer(self, rows: list):
+        """timer(lengths, parts=False): the estimated seconds of verifying the rows with drafts of
+        these lengths (None before any verify was timed), or with parts=True their split into
+        shared forwards. Where the fused layer takes sequences of different row counts together
+        (ModelAdapter.run_ragged; in exact mode with a row-invariant head too) all rows share one
+        forward, unpadded, in kernel calls of up to its limit of rows (fused_layer.calls), each timed
+        as a lone verify of that many rows; elsewhere `partition` splits them into forwards padded
+        to their longest row."""
+        clock, adapter, cost, limits, estimates = clock_for(self.adapter), self.adapter, self._cost(rows), {}, {}
+
+        def estimate(n: int) -> float | None:
+            if n not in estimates:
+                estimates[n] = clock.estimate(n)
+            return estimates[n]
+
+        def limit(n: int) -> int:
+            if n not in limits:
+                limits[n] = adapter.ragged_rows(n) if not adapter.exact or adapter.batches_exactly(n) else 0
+            return limits[n]
+
+        def timer(lengths: list[int], parts: bool = False):
+            if not lengths:
+                return [] if parts else 0.0
+            counts = [n + 1 for n in lengths]
+            most = limit(max(counts))
+            if most:
+                if parts:
+                    return [list(range(len(counts)))]
+                times = [estimate(sum(counts[b] for b in group)) for group in fused_layer.calls(counts, most)]
+                return None if None in times else sum(times)
+            split = partition(counts, cost)
+            return split if parts else _seconds(counts, split, cost)
+
+        return timer
 
     def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
         """cost(members, n): the estimated seconds of one verify forward over these rows (indices
@@ -304,7 +354,12 @@ class Scheduler:
         up to ROWS rows, as run_rows makes them); inf where they may not share one (exact mode:
         a forward that would not give each row its lone verify's bits, or a cache short of the
         padding); None before any verify was timed."""
-        clock, exact, batches = clock_for(self.adapter), self.adapter.exact, {}
+        clock, exact, batches, estimates = clock_for(self.adapter), self.adapter.exact, {}, {}
+
+        def estimate(n: int) -> float | None:
+            if n not in estimates:
+                estimates[n] = clock.estimate(n)
+            return estimates[n]
 
         def cost(members: list[int], n: int) -> float | None:
             if len(members) > 1 and exact:
@@ -314,7 +369,7 @@ class Scheduler:
                     return math.inf
             per_call = max(1, ROWS // n)
             full, rest = divmod(len(members), per_call)
-            seconds = [clock.estimate(per_call * n)] * full + ([clock.estimate(rest * n)] if rest else [])
+            seconds = [estimate(per_call * n)] * full + ([estimate(rest * n)] if rest else [])
             return None if None in seconds else sum(seconds)
 
         return cost

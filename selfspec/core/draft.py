@@ -56,6 +56,10 @@ class Draft:
     # The drafter's proposal was not verified (a batch ran this round as a plain step, or never
     # asked it): the round teaches the drafter nothing (no observe).
     dropped: bool = False
+    # Each token's chance of being accepted given the ones before it were, as the drafter estimates
+    # it (suffix decoding: its match's agreement, calibrated by what was accepted); None: no
+    # estimate. The batch scheduler weighs which drafted tokens to verify by it.
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -75,3 +79,7 @@ class Drafter(Protocol):
     def observe(self, n_accepted: int) -> None:
         """After each verify: how many of the last draft's tokens were accepted."""
         ...
+
+    # Optional: `cut(m)`, called before the verify when a batch verifies only the first m tokens of
+    # the last draft (Decoding.cut); `observe` then counts from those m. A drafter without it is not
+    # told of a cut round (no observe, as for a dropped draft).

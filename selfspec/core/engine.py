@@ -177,6 +177,22 @@ class Decoding:
         """2'. A plain round without asking the drafter (a batch expects a plain step to pay more)."""
         return Draft(tokens=self.pending.new_empty(0), dropped=True)
 
+    def cut(self, draft: Draft, m: int) -> Draft:
+        """2''. The draft's first m tokens (a batch verifies only those: the rest were expected to
+        cost more than they add). The drafter is told (`cut`, where it has one); else the round
+        teaches it nothing, as a dropped draft. KV reuse does not survive a cut (a batch recomputes
+        it anyway)."""
+        if m >= len(draft):
+            return draft
+        if m <= 0:
+            return self.no_draft()
+        tell = getattr(self.drafter, "cut", None)
+        if tell is not None:
+            tell(m)
+        return Draft(tokens=draft.tokens[:m], dropped=draft.dropped or tell is None,
+                     draft_probs=None if draft.draft_probs is None else draft.draft_probs[:m],
+                     confidence=None if draft.confidence is None else draft.confidence[:m])
+
     def _fit_siblings(self, draft: Draft, room: int) -> Draft:
         """A sibling draft as this sequence can verify it: alternatives in the slots short of the
         cache's scratch slot, and only where siblings run; else, greedy, its first alternative as

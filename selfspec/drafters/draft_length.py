@@ -37,11 +37,15 @@ class DraftLength:
         j = min(position, POSITIONS - 1)
         return (self.hits[j] + self.prior) / (self.tried[j] + self.prior)
 
+    def chances(self, ratios: list[float]) -> list[float]:
+        """Each drafted token's chance of acceptance given the ones before it: min(1, a_j · r_j)."""
+        return [min(1.0, self.acceptance(j) * r) for j, r in enumerate(ratios)]
+
     def expected(self, ratios: list[float]) -> list[float]:
         """E(m) for m = 0 .. len(ratios): expected tokens committed by the draft cut to m."""
         out, alive = [1.0], 1.0
-        for j, r in enumerate(ratios):
-            alive *= min(1.0, self.acceptance(j) * r)
+        for chance in self.chances(ratios):
+            alive *= chance
             out.append(out[-1] + alive)
         return out
 

@@ -221,25 +221,33 @@ class SuffixDraft:
         self.ctx = ctx
         self._vocab = ctx.adapter.lm_head.out_features
         self.sid = self.store.add(ctx.committed)  # this request's prompt and output, for it and every later one
-        self.length = length_for(ctx.adapter) if self.payoff else None
+        # The model's calibration of the store's confidences (what was accepted per unit of them, by
+        # draft position): learnt by every round, read for each draft's Draft.confidence and, with
+        # payoff, to cut drafts here.
+        self.length = length_for(ctx.adapter)
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
         device = self.ctx.adapter.device
         ratios: list[float] = []
         tokens, self.match_len = self.store.draft(self.ctx.committed, min(self.draft_len, max_len),
                                                   sid=self.sid, ratios=ratios, **self.allowance)
-        if self.length is not None and tokens:
+        if self.payoff and tokens:
             keep = self.length.choose(ratios)
             tokens, ratios = tokens[:keep], ratios[:keep]
         self._ratios = ratios
         draft = torch.tensor(tokens, dtype=torch.long, device=device)
+        confidence = self.length.chances(ratios)
         if self.ctx.sampling.greedy or not tokens:
-            return Draft(tokens=draft)
+            return Draft(tokens=draft, confidence=confidence)
         q = torch.zeros(len(tokens), self._vocab, dtype=torch.float32, device=device)  # [γ, vocab], one-hot
         q[torch.arange(len(tokens), device=device), draft] = 1.0
-        return Draft(tokens=draft, draft_probs=q)
+        return Draft(tokens=draft, draft_probs=q, confidence=confidence)
+
+    def cut(self, m: int) -> None:
+        """A batch verifies only the last draft's first m tokens: learn from those."""
+        self._ratios = self._ratios[:m]
 
     def observe(self, n_accepted: int) -> None:
-        if self.length is not None and self._ratios:
+        if self._ratios:
             self.length.learn(self._ratios, n_accepted)
         self._ratios = []
