@@ -93,7 +93,10 @@ def run_method(model, method: str, sessions: list[dict], args) -> tuple[dict, di
         gamma = model.resolve(Speculation(method)).speculation.draft_len if method != "ar" else 0
         return {"tokens": tokens, "wall_s": wall, "drafted": totals.drafted, "accepted": totals.accepted,
                 "rounds": totals.rounds, "gamma": gamma, "prompt_tokens": totals.prompt_tokens,
-                "reused": totals.prefix_tokens}, answers
+                "reused": totals.prefix_tokens, "steps": totals.steps, "rows": totals.rows,
+                "drafts_dropped": totals.drafts_dropped, "drafts_cut": totals.drafts_cut,
+                "drafting_skipped": totals.drafting_skipped, "draft_s": totals.draft_s, "verify_s": totals.verify_s,
+                "prefill_s": totals.prefill_s}, answers
     finally:
         server.should_exit = True
         thread.join(30)
@@ -157,7 +160,13 @@ def _main(args, argv) -> int:
                         "alpha": round(accepted / drafted, 3) if drafted else None,
                         "tokens_per_round": round((accepted + rounds) / rounds, 2) if rounds else None,
                         "prompt_reused": round(reused / prompt, 3) if prompt else None,
-                        "differing_answers": differing[method]}
+                        "differing_answers": differing[method],
+                        # the scheduler's own counts, summed over rounds (Totals: rows per forward, drafts
+                        # dropped / cut / not asked for, seconds drafting, verifying, prefilling)
+                        "scheduler": {k: round(sum(r[k] for r in rs), 3) for k in
+                                      ("steps", "rows", "drafts_dropped", "drafts_cut", "drafting_skipped", "draft_s",
+                                       "verify_s", "prefill_s")},
+                        "wall_s": round(wall, 2)}
     base = rows[methods[0]]["tok_s"]
     for row in rows.values():
         row["x_first"] = round(row["tok_s"] / base, 2)

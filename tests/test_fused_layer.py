@@ -257,7 +257,7 @@ def test_a_ragged_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, cou
     """run_ragged (sequences of different row counts sharing calls unpadded, kernels/layer.h
     layer_spans with each span's own row count): every row's hidden state and every cache entry it
     writes equal its sequence's one-sequence forward, whether a call holds one sequence or several
-    (the second case: 24 rows, more than one call of 16 takes where 4-bit tiles do not run)."""
+    (the second case: 24 rows, two calls)."""
     model = _quantized("qwen2", dtype)
     adapter = model.adapter
     assert adapter.ragged_rows(max(counts)) >= fused_layer.ROWS
@@ -280,7 +280,7 @@ def test_a_ragged_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, cou
                 for r, p, c in zip(rows, prompts, alone)]
         ragged = adapter.run_ragged(adapter.embed(torch.cat(rows))[0], range(adapter.n_layers),
                                     [len(p) for p in prompts], list(counts), together)
-    groups = fused_layer.calls(list(counts), adapter.step.fused.chunk)  # one op call a layer for each
+    groups = fused_layer.calls(list(counts), fused_layer.ROWS)  # one op call a layer for each
     assert ops == [sum(counts[b] for b in group) for group in groups for _ in range(adapter.n_layers)]
     assert torch.equal(ragged, torch.cat(lone))
     for b, n in enumerate(counts):

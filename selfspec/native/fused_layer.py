@@ -106,14 +106,14 @@ class FusedLayers:
     def run_ragged(self, x: torch.Tensor, layers, starts: list[int], counts: list[int], caches: list) -> torch.Tensor:
         """x [sum(counts), hidden]: counts[b] rows of sequence b in turn, at positions starts[b].. of
         its own cache caches[b] (a batched verify whose drafts differ in length, unpadded). Sequences
-        share calls of up to `calls`' limit rows; one of more rows runs alone, chunked as `run_rows`
+        share calls of up to ROWS rows (`calls`); one of more rows runs alone, chunked as `run_rows`
         chunks it. Each row is its sequence's one-sequence call's bit for bit (kernels/layer.h)."""
         hidden, out, offsets = x.shape[-1], [], [0]
         for n in counts:
             offsets.append(offsets[-1] + n)
-        for group in calls(counts, self.chunk):
+        for group in calls(counts, ROWS):
             lo, hi = offsets[group[0]], offsets[group[-1] + 1]
-            if len(group) == 1 and counts[group[0]] > self.chunk:
+            if len(group) == 1 and counts[group[0]] > ROWS:
                 b = group[0]
                 out.append(self.run_rows(x[None, lo:hi], layers, [starts[b]], [caches[b]])[0])
                 continue

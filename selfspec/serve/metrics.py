@@ -69,6 +69,8 @@ COUNTERS = [
     ("verify_rounds", "Verify rounds over all requests", lambda s: s["rounds"]),
     ("batch_drafts_dropped", "Drafts a batch verified as plain steps, where dropping them was expected to commit "
      "more tokens per second", lambda s: s.get("drafts_dropped", 0)),
+    ("batch_drafts_cut", "Drafts a batch verified in part (their likeliest tokens), where the rest were expected "
+     "to cost more than they commit", lambda s: s.get("drafts_cut", 0)),
     ("batch_drafting_skipped", "Rows a batch stepped plain without drafting, where drafts of their recent lengths "
      "were expected to be dropped", lambda s: s.get("drafting_skipped", 0)),
     ("draft_seconds", "Time spent drafting", lambda s: s["draft_s"]),
