@@ -19,12 +19,17 @@ import torch
 
 from selfspec.heads.draft_head import PrunedHead
 from selfspec.core.draft import Draft, DraftContext
-from selfspec.drafters.layers.shallow import confident, draft_token, head_logits
+from selfspec.core.verify_clock import PerModel, clock_for
+from selfspec.drafters.draft_length import DraftLength
+from selfspec.drafters.layers.shallow import draft_token, head_logits, top1_probability
 from selfspec.heads.feature_head import FeatureHead, FeatureState
 from selfspec.native.fused_feature import FusedFeature, unsupported_reason
 from selfspec.native.fused_layer import ROWS
 
 DEFAULT_THRESHOLD = 0.3  # stop a draft after a token the head gives less than this
+# What the verify accepted per unit of the head's top-1 probability, by draft position, per model:
+# each token's Draft.confidence (a batch weighs which draft tokens to verify by it).
+calibration_for = PerModel(lambda adapter: DraftLength(clock_for(adapter)))
 
 
 class FeatureDraft:
@@ -64,13 +69,15 @@ class FeatureDraft:
         if self.draft_ids is not None and (self.head is None or not self.head.built_for(adapter)):
             self.head = PrunedHead.shared(adapter, self.draft_ids)
         self.ctx = ctx
+        self.calibration = calibration_for(adapter)
+        self._top: list[float] = []  # the last chain draft's top-1 probabilities, token by token
         fused = None
         if unsupported_reason(self.feature_head, adapter, self.head) is None:
             fused = FusedFeature(self.feature_head, adapter, self.head)
         self.state = FeatureState(self.feature_head, ctx.cache, adapter.embed, fused)
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
-        gamma = min(self.draft_len, max_len)
+        gamma, self._top = min(self.draft_len, max_len), []
         if gamma <= 0:
             return Draft(tokens=pending.new_empty(0))
         predicted = self.state.first(start, self.ctx.committed)
@@ -89,9 +96,18 @@ class FeatureDraft:
             tokens.append(token)
             if q is not None:
                 probs.append(q)
-            if i + 1 < gamma and not confident(self.threshold, q, logits):
+            self._top.append(top1_probability(logits) if q is None else float(q.max()))
+            if i + 1 < gamma and self._top[-1] < self.threshold:
                 break
-        return Draft(tokens=torch.cat(tokens), draft_probs=torch.cat(probs) if probs else None)
+        return Draft(tokens=torch.cat(tokens), draft_probs=torch.cat(probs) if probs else None,
+                     confidence=self.calibration.chances(self._top))
+
+    def cut(self, m: int) -> None:
+        """A batch verifies only the last draft's first m tokens: learn from those."""
+        self._top = self._top[:m]
 
     def observe(self, n_accepted: int) -> None:
-        pass
+        """Calibrate the head's top-1 probabilities by what the verify accepted (Draft.confidence)."""
+        if self._top:
+            self.calibration.learn(self._top, n_accepted)
+        self._top = []

@@ -64,6 +64,7 @@ class Hybrid:
         self.lookup_rounds = 0
         self.model_rounds = 0
         self._source: Drafter | None = None
+        self._untaught = False  # the last draft was cut where its source cannot be told (`cut`)
 
     @property
     def needs_step_time(self) -> bool:
@@ -84,7 +85,7 @@ class Hybrid:
         self._source = None
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
-        self._spent = self._elapsed()
+        self._spent, self._untaught = self._elapsed(), False
         draft = self.lookup.propose(pending, start, max_len)
         if len(draft):
             if not self._worth_it(self.lookup):
@@ -101,10 +102,21 @@ class Hybrid:
         self.model_rounds += bool(len(draft))
         return draft
 
+    def cut(self, m: int) -> None:
+        """A batch verifies only the first m tokens of the last draft: its source is told where it
+        can be (`cut`), else not taught by the round; the gates count the round as it ran."""
+        tell = getattr(self._source, "cut", None)
+        if tell is not None:
+            tell(m)
+        else:
+            self._untaught = True
+
     def observe(self, n_accepted: int) -> None:
         if self._source is None:
             return
-        self._source.observe(n_accepted)
+        if not self._untaught:
+            self._source.observe(n_accepted)
+        self._untaught = False
         if self.gates is not None:
             self.gates[self._source].update(n_accepted + 1, self._elapsed() - self._spent)
 
