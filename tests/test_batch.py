@@ -222,14 +222,15 @@ def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(ti
     without asking the drafters (but every PROBE_EVERY-th step), and a dropped draft teaches its
     drafter nothing (no observe); with rows free every draft is verified whole and observed."""
     from selfspec.core.batch import PROBE_EVERY
-    from selfspec.core.verify_clock import clock_for
+    from selfspec.core.verify_clock import clock_for, shared_clock_for
 
     model = tiny("llama")
     want = [model.generate(p, method="ar", max_new_tokens=20).tokens for p in PROMPTS[:3]]
-    clock = clock_for(model.adapter)
+    clocks = clock_for(model.adapter), shared_clock_for(model.adapter)
     for per_row, dropped in ((1.0, True), (0.0, False)):
-        clock.seconds = {n: 1.0 + per_row * (n - 1) for n in range(1, 33)}
-        clock.add = lambda rows, seconds: None  # the set times stay
+        for clock in clocks:
+            clock.seconds = {n: 1.0 + per_row * (n - 1) for n in range(1, 33)}
+            clock.add = lambda rows, seconds: None  # the set times stay
         runs = [model.prepare(p, fresh_drafter=True, method="lookup", draft_len=4, max_new_tokens=20) for p in PROMPTS[:3]]
         calls = {"propose": 0, "observe": 0}
         for run in runs:
@@ -252,7 +253,8 @@ def test_a_batch_drops_drafts_that_cost_more_than_they_are_expected_to_commit(ti
             assert calls["observe"] < rounds
         else:
             assert calls["propose"] == calls["observe"] == rounds
-        del clock.add
+        for clock in clocks:
+            del clock.add
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -290,3 +292,22 @@ def test_drafts_a_batch_cuts_keep_greedy_output_and_teach_only_what_was_verified
     assert _run_all(model, lookups, max_batch=len(PROMPTS)) == want
     proposed_rounds = sum(run.stats.rounds for run in lookups)
     assert len(told) < proposed_rounds
+
+
+def test_shared_verifies_are_timed_on_their_own_clock(tiny):
+    """A verify several sequences shared goes to the model's shared clock, not the lone one (each
+    sequence adds its own attention); the scheduler's estimates read the shared clock once it has
+    figures, the lone one before."""
+    from selfspec.core.batch import _estimates
+    from selfspec.core.verify_clock import clock_for, shared_clock_for
+
+    model = tiny("llama")
+    lone, shared = clock_for(model.adapter), shared_clock_for(model.adapter)
+    lone.seconds, shared.seconds = {1: 1.0, 8: 2.0}, {}
+    assert _estimates(model.adapter)(8) == 2.0
+    shared.add(8, 5.0)
+    assert _estimates(model.adapter)(8) == 5.0
+    shared.seconds = {}
+    runs = [model.prepare(p, fresh_drafter=True, method="lookup", draft_len=3, max_new_tokens=12) for p in PROMPTS[:3]]
+    _run_all(model, runs, max_batch=3)
+    assert shared.seconds  # the shared forwards were timed there

@@ -1,17 +1,19 @@
 """Continuous batching: many sequences decoded together, their drafts verified in shared forwards.
 
 Each step the scheduler (1) admits waiting requests up to `max_batch` rows and prefills them,
-(2) lets every active row draft with its own drafter on its own cache, and keeps the drafts that
-are expected to commit the most tokens per second, dropping the others for plain steps of their
-rows (`_worth_drafting`, `_choose`; where drafts of a row's recent length would be dropped, it does
-not ask for them: `_skip_drafting`), (3) verifies the
-rows' pending tokens + drafts in the fewest-seconds split into shared forwards (`partition`,
-`engine.verify_rows`; a lone row takes the single-sequence verify with its KV reuse; in exact mode
-only forwards that give each row its lone verify's bits), (4) runs the pure verifier per row and
-commits. Rows accept different
-numbers of tokens (ragged acceptance): each row's cache keeps its own length, and a row's padding
-positions lie past that length, so they are never committed. Finished, stopped or cancelled rows
-leave between steps and waiting requests take their place.
+(2) lets every active row draft with its own drafter on its own cache, and keeps the draft tokens
+expected to commit the most tokens per second: every token weighed by its chance of acceptance
+(the drafter's own estimate, Draft.confidence, else the row's acceptance so far), each draft cut
+after its last kept token, none kept making the row a plain step (`_worth_drafting`, `_choose`;
+where drafts of a row's recent length would be dropped whole, it does not ask for them:
+`_skip_drafting`), (3) verifies the rows' pending tokens + drafts in one forward where the fused
+layer takes sequences of different lengths together unpadded (`engine.verify_rows`,
+`ModelAdapter.run_ragged`), else in the fewest-seconds split into shared forwards padded to their
+longest row (`partition`); a lone row takes the single-sequence verify with its KV reuse; in exact
+mode only forwards that give each row its lone verify's bits, (4) runs the pure verifier per row
+and commits. Rows accept different numbers of tokens (ragged acceptance): each row's cache keeps
+its own length, and a row's padding positions lie past that length, so they are never committed.
+Finished, stopped or cancelled rows leave between steps and waiting requests take their place.
 
 The scheduler is not thread-safe except for `submit` and `Request.cancel`: one thread calls
 `step` (or `run`), others submit.
@@ -34,7 +36,7 @@ from selfspec.core.draft import Drafter
 from selfspec.core.engine import Decoding, verify_forward, verify_rows
 from selfspec.core.sampling import SamplingParams
 from selfspec.core.stats import GenerationStats, add_counts
-from selfspec.core.verify_clock import clock_for
+from selfspec.core.verify_clock import clock_for, shared_clock_for
 from selfspec.native import fused_layer
 from selfspec.native.fused_layer import ROWS
 
@@ -149,6 +151,20 @@ def _seconds(lengths: list[int], groups: list[list[int]], cost: Callable[[list[i
     return None if None in times else sum(times)
 
 
+def _estimates(adapter: ModelAdapter) -> Callable[[int], float | None]:
+    """The estimated seconds of a shared verify over n rows in all: the model's shared clock
+    (verify_clock.shared_clock_for), else, before it timed any, its lone one; each n asked once
+    (one step's choice asks the same row counts many times)."""
+    shared, lone, known = shared_clock_for(adapter), clock_for(adapter), {}
+
+    def estimate(n: int) -> float | None:
+        if n not in known:
+            known[n] = shared.estimate(n) if shared.seconds else lone.estimate(n)
+        return known[n]
+
+    return estimate
+
+
 def _verifies_alone(seq: Decoding) -> bool:
     """Drafters that keep working on the cache while the verify runs (saguaro) need a verify that
     touches only their own row's slots as a lone verify would: theirs run alone."""
@@ -241,8 +257,8 @@ class Scheduler:
         counts = [len(d) + 1 for *_, d in rows]
         ragged = self.adapter.ragged_rows(max(counts))  # unpadded (ModelAdapter.run_ragged), else padded
         total = sum(counts) if ragged else len(rows) * max(counts)
-        if len(rows) > 1 and total <= (ragged or ROWS):  # one kernel call a layer, as a lone verify of that many rows
-            clock_for(self.adapter).add(total, verify_s)
+        if len(rows) > 1 and total <= (ragged or ROWS):  # one kernel call a layer
+            shared_clock_for(self.adapter).add(total, verify_s)
         self.totals.verify_s += verify_s  # once per forward, however many rows shared it
         self.totals.steps += 1
         self.totals.rows += len(rows)
@@ -277,7 +293,7 @@ class Scheduler:
         timer = self._timer(rows)
         lengths = [0] * len(rows)
         if timer(lengths) is None:
-            return list(drafts), timer([n for n in drafts], parts=True)
+            return list(drafts), timer(list(drafts), parts=True)
         order = []
         for i, ((_, seq, *_), n) in enumerate(zip(rows, drafts)):
             given = confidences[i] if confidences else None
@@ -321,12 +337,8 @@ class Scheduler:
         forward, unpadded, in kernel calls of up to its limit of rows (fused_layer.calls), each timed
         as a lone verify of that many rows; elsewhere `partition` splits them into forwards padded
         to their longest row."""
-        clock, adapter, cost, limits, estimates = clock_for(self.adapter), self.adapter, self._cost(rows), {}, {}
-
-        def estimate(n: int) -> float | None:
-            if n not in estimates:
-                estimates[n] = clock.estimate(n)
-            return estimates[n]
+        adapter, estimate, limits = self.adapter, _estimates(self.adapter), {}
+        cost = self._cost(rows, estimate)
 
         def limit(n: int) -> int:
             if n not in limits:
@@ -348,18 +360,13 @@ class Scheduler:
 
         return timer
 
-    def _cost(self, rows: list) -> Callable[[list[int], int], float | None]:
+    def _cost(self, rows: list, estimate: Callable[[int], float | None]) -> Callable[[list[int], int], float | None]:
         """cost(members, n): the estimated seconds of one verify forward over these rows (indices
         into `rows`) padded to n rows each, from the model's clock of lone verifies (kernel calls of
         up to ROWS rows, as run_rows makes them); inf where they may not share one (exact mode:
         a forward that would not give each row its lone verify's bits, or a cache short of the
-        padding); None before any verify was timed."""
-        clock, exact, batches, estimates = clock_for(self.adapter), self.adapter.exact, {}, {}
-
-        def estimate(n: int) -> float | None:
-            if n not in estimates:
-                estimates[n] = clock.estimate(n)
-            return estimates[n]
+        padding); None before any verify was timed. estimate: the clock's figures (`_estimates`)."""
+        exact, batches = self.adapter.exact, {}
 
         def cost(members: list[int], n: int) -> float | None:
             if len(members) > 1 and exact:
