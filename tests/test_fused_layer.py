@@ -217,6 +217,22 @@ def test_short_prefill_runs_as_fused_calls_of_16_where_bfloat16_is_emulated(arch
     assert calls[3:5] == [16, 16]  # the generations prefilled in chunks too
 
 
+def _prefilled(adapter, prompts: list[torch.Tensor]) -> list:
+    """A cache of 40 slots per prompt, each prompt prefilled into its own."""
+    caches = [adapter.new_cache(40) for _ in prompts]
+    with torch.inference_mode():
+        for ids, cache in zip(prompts, caches):
+            adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), 0, cache)
+    return caches
+
+
+def _same_entries(caches, others, ends: list[int]) -> None:
+    """Each cache's keys and values up to its end equal the other's, bit for bit."""
+    for cache, other, end in zip(caches, others, ends):
+        assert torch.equal(cache.keys[:, :, :, :end], other.keys[:, :, :, :end])
+        assert torch.equal(cache.values[:, :, :, :end], other.values[:, :, :, :end])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int4"])
 @pytest.mark.parametrize("n", [4, 20])
 def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n, path):
@@ -231,14 +247,7 @@ def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n, path):
     prompts = [torch.randint(0, VOCAB, (k,), generator=torch.Generator().manual_seed(k)) for k in (9, 14, 11, 12, 10)]
     rows = torch.randint(0, VOCAB, (len(prompts), n), generator=torch.Generator().manual_seed(1))
 
-    def prefilled():
-        caches = [adapter.new_cache(40) for _ in prompts]
-        with torch.inference_mode():
-            for ids, cache in zip(prompts, caches):
-                adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), 0, cache)
-        return caches
-
-    alone, together = prefilled(), prefilled()
+    alone, together = _prefilled(adapter, prompts), _prefilled(adapter, prompts)
     with torch.inference_mode():
         lone = [adapter.run_layers(adapter.embed(r), range(adapter.n_layers), len(p), c, rowwise=True)
                 for r, p, c in zip(rows, prompts, alone)]
@@ -246,9 +255,7 @@ def test_a_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, n, path):
                                    [len(p) for p in prompts], together)  # 5 · 4 rows: two kernel calls
     for b in range(len(prompts)):
         assert torch.equal(batched[b], lone[b][0])
-        end = len(prompts[b]) + n
-        assert torch.equal(together[b].keys[:, :, :, :end], alone[b].keys[:, :, :, :end])
-        assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])
+    _same_entries(together, alone, [len(p) + n for p in prompts])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int4"])
@@ -264,14 +271,7 @@ def test_a_ragged_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, cou
     prompts = [torch.randint(0, VOCAB, (8 + b,), generator=torch.Generator().manual_seed(b)) for b in range(len(counts))]
     rows = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(50 + n + b)) for b, n in enumerate(counts)]
 
-    def prefilled():
-        caches = [adapter.new_cache(40) for _ in prompts]
-        with torch.inference_mode():
-            for ids, cache in zip(prompts, caches):
-                adapter.run_layers(adapter.embed(ids), range(adapter.n_layers), 0, cache)
-        return caches
-
-    alone, together = prefilled(), prefilled()
+    alone, together = _prefilled(adapter, prompts), _prefilled(adapter, prompts)
     ops = []
     op = adapter.step.fused._rows_op
     adapter.step.fused._rows_op = lambda x, *args: ops.append(x.shape[0]) or op(x, *args)
@@ -283,10 +283,7 @@ def test_a_ragged_batched_verify_gives_each_row_its_lone_verifys_bits(dtype, cou
     groups = fused_layer.calls(list(counts), fused_layer.ROWS)  # one op call a layer for each
     assert ops == [sum(counts[b] for b in group) for group in groups for _ in range(adapter.n_layers)]
     assert torch.equal(ragged, torch.cat(lone))
-    for b, n in enumerate(counts):
-        end = len(prompts[b]) + n
-        assert torch.equal(together[b].keys[:, :, :, :end], alone[b].keys[:, :, :, :end])
-        assert torch.equal(together[b].values[:, :, :, :end], alone[b].values[:, :, :, :end])
+    _same_entries(together, alone, [len(p) + n for p, n in zip(prompts, counts)])
 
 
 def test_ragged_calls_fill_each_call_in_order():
