@@ -193,19 +193,25 @@ class SelfSpecModel:
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if self.adapter.exact:
-            check_exact_draft(drafter.draft_len, self.exact_rows())
+            check_exact_draft(drafter.draft_len, self.exact_limit())
         stats = GenerationStats(method=drafter.name, exit_layer=drafter.exit_layer, draft_len=drafter.draft_len)
         check_length(self.adapter, ids.numel(), max_new_tokens)
         return Prepared(ids, drafter, sampling, max_new_tokens, stop, stats, self.eos_ids, self.prefix_store(tenant))
 
     def exact_rows(self) -> int:
-        """The most rows exact mode verifies at once: where the fused layer runs (eager, the kernel
-        built) each row's arithmetic is its own whatever the rows beside it, so any count up to its
-        ROWS is exact unpadded; elsewhere (PyTorch's kernels, compiled, CUDA) every forward is
-        padded to the one bucket EXACT_ROWS."""
+        """The most rows exact mode verifies in one call: where the fused layer runs (eager, the
+        kernel built) each row's arithmetic is its own whatever the rows beside it, so any count up
+        to its ROWS is exact unpadded (and longer verifies run in calls of ROWS: `exact_limit`);
+        elsewhere (PyTorch's kernels, compiled, CUDA) every forward is padded to the one bucket
+        EXACT_ROWS."""
         from selfspec.native import fused_layer
 
         return fused_layer.ROWS if self.adapter.runs_fused(fused_layer.ROWS) else EXACT_ROWS
+
+    def exact_limit(self) -> int | None:
+        """The most rows an exact verify may have: none (any draft length) where the fused layer
+        runs, EXACT_ROWS where every forward is padded to that bucket."""
+        return None if self.exact_rows() > EXACT_ROWS else EXACT_ROWS
 
     def suffix_store(self, tenant: str | None = None):
         """This model's suffix store as `tenant` sees it (None: the text every request shares): the
@@ -278,7 +284,7 @@ class SelfSpecModel:
             s = replace(s, draft_len=self.exact_rows() - 1 if s.method == "suffix" else EXACT_ROWS - 1)
         s.validate(self.n_layers)
         if self.adapter.exact and s.draft_len is not None:
-            check_exact_draft(s.draft_len, self.exact_rows())
+            check_exact_draft(s.draft_len, self.exact_limit())
         saved = load_profile(self.identity, s.profile)
         if s.exit_adapter is not None and s.exit_adapter not in DISABLED and not Path(s.exit_adapter).expanduser().is_file():
             raise FileNotFoundError(f"no exit adapter at {s.exit_adapter}")
@@ -559,17 +565,18 @@ def has_feature_head(profile: dict, identity: ModelIdentity) -> bool:
     return bool(profile.get(SECTION) or shipped_path(identity).is_file())
 
 
-def exact_rows_here() -> int:
+def exact_limit_here() -> int | None:
     """The most rows exact mode can verify on this machine for a model the fused layer runs
-    (SelfSpecModel.exact_rows says it for one model): before any model loads."""
-    from selfspec.native import fused_layer, gemv
+    (SelfSpecModel.exact_limit says it for one model): before any model loads."""
+    from selfspec.native import gemv
 
-    return fused_layer.ROWS if gemv.available() else EXACT_ROWS
+    return None if gemv.available() else EXACT_ROWS
 
 
-def check_exact_draft(draft_len: int, rows: int = EXACT_ROWS) -> None:
-    """Exact mode verifies the pending token and at most rows - 1 drafts (SelfSpecModel.exact_rows)."""
-    if draft_len + 1 > rows:
+def check_exact_draft(draft_len: int, rows: int | None = EXACT_ROWS) -> None:
+    """Exact mode verifies the pending token and at most rows - 1 drafts (SelfSpecModel.exact_limit;
+    None: any)."""
+    if rows is not None and draft_len + 1 > rows:
         raise ValueError(f"exact mode verifies at most {rows} rows here: the draft length must be at most "
                          f"{rows - 1}, got {draft_len} (lower -g, or turn exact mode off: --no-exact / exact=False)")
 

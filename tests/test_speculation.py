@@ -99,10 +99,13 @@ def test_exact_mode_limits_the_draft_length(tiny):
     from tiny_models import tiny_model
 
     model = selfspec.SelfSpecModel(tiny_model("llama", 0), name="tiny-llama", exact=True)
-    limit = model.exact_rows() - 1  # 15 where the fused layer runs, else 3 (the padded bucket)
-    with pytest.raises(ValueError, match=f"draft length must be at most {limit}"):
-        model.resolve(Speculation("lookup", draft_len=limit + 1))
-    assert model.resolve(Speculation("lookup", draft_len=limit)).speculation.draft_len == limit
+    if model.exact_limit() is None:  # the fused layer runs: any length
+        assert model.resolve(Speculation("lookup", draft_len=40)).speculation.draft_len == 40
+    else:  # every forward in the padded bucket
+        limit = model.exact_limit() - 1
+        with pytest.raises(ValueError, match=f"draft length must be at most {limit}"):
+            model.resolve(Speculation("lookup", draft_len=limit + 1))
+        assert model.resolve(Speculation("lookup", draft_len=limit)).speculation.draft_len == limit
     assert model.resolve(Speculation("lookup")).speculation.draft_len == 3  # the most its bucket holds
     assert model.resolve(Speculation("ar")).speculation.draft_len is None  # AR drafts nothing
 

@@ -112,7 +112,9 @@ def test_sampled_suffix_decoding_follows_the_target_distribution(tiny):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
 def test_exact_mode_is_exact_at_any_draft_length_where_the_fused_layer_runs(arch):
     """Exact mode verifies γ + 1 rows unpadded where each row's arithmetic is its own (the fused
-    layer), so greedy output equals plain decoding in the same mode for γ up to 15."""
+    layer; more than 16 rows in calls of 16), so greedy output equals plain decoding in the same mode
+    for every γ from 1 to 16, and beyond (24, 40); early exit's verify (layers k.. over the draft,
+    its KV reused) too."""
     import torch
     from tiny_models import tiny_model
 
@@ -123,11 +125,17 @@ def test_exact_mode_is_exact_at_any_draft_length_where_the_fused_layer_runs(arch
         pytest.skip("the fused layer does not run here: exact mode keeps its padded 4-row bucket")
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 9]
     plain = model.generate(prompt, method="ar", max_new_tokens=48)
-    for gamma in (1, 2, 5, 9, 15):
+    longest = 0
+    for gamma in (*range(1, 17), 24, 40):
         for method in ("lookup", "suffix"):
             out = model.generate(prompt, method=method, draft_len=gamma, max_new_tokens=48)
             assert out.tokens == plain.tokens, (method, gamma)
-    assert out.stats.accepted > 0
+            longest = max(longest, len(out.stats.drafted_at))
+    assert out.stats.accepted > 0 and longest > 16  # verifies of more than one call's rows ran
+    for gamma in (7, 20):
+        out = model.generate(prompt, method="early-exit", exit_layer=1, draft_len=gamma, threshold=0.0,
+                             max_new_tokens=48)
+        assert out.tokens == plain.tokens, gamma
 
 
 def test_the_server_drafts_from_earlier_requests_and_keeps_users_apart():

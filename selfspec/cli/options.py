@@ -43,7 +43,7 @@ DTYPE_HELP = (
 )
 EXACT_HELP = (
     "greedy output bit-identical to AR by construction on any CPU or GPU: where selfspec's fused layer runs, each "
-    "row's arithmetic is its own (drafts up to 15 tokens); elsewhere every forward (AR step, draft, verify) runs one "
+    "row's arithmetic is its own (drafts of any length); elsewhere every forward (AR step, draft, verify) runs one "
     "fixed 4-row bucket (drafts up to 3) (default: on for bfloat16 and int4, off for float32 and int8)"
 )
 
@@ -195,7 +195,7 @@ def load(args, **overrides):
 def check_model_options(args, spec: Speculation) -> None:
     """Checks that need the model's shape or the engine mode, before the model loads: the
     speculation against the layer count in the config on disk, and exact mode's draft-length limit."""
-    from selfspec.api import check_exact_draft, default_dtype, default_exact, exact_rows_here
+    from selfspec.api import check_exact_draft, default_dtype, default_exact, exact_limit_here
     from selfspec.model.loading import peek_layers
 
     n_layers = peek_layers(args.model, args.cache_dir)
@@ -204,7 +204,7 @@ def check_model_options(args, spec: Speculation) -> None:
     dtype = default_dtype(args.device, args.model) if args.dtype == "auto" else args.dtype
     exact = default_exact(dtype) if args.exact is None else args.exact
     if exact and spec.draft_len is not None:
-        check_exact_draft(spec.draft_len, exact_rows_here())  # the model's own limit is checked once loaded
+        check_exact_draft(spec.draft_len, exact_limit_here())  # the model's own limit is checked once loaded
 
 
 def check_options(options: dict) -> None:

@@ -248,7 +248,7 @@ class ModelAdapter:
         """
         n = h.shape[1]
         if self.step is not None and write and hooks is None and h.shape[0] == 1:
-            return self.step.run(h, layers, start, cache, skip, siblings)
+            return self.step.run(h, layers, start, cache, skip, siblings, verify=rowwise)
         if siblings:
             raise ValueError("sibling rows run only in the fused layer (ModelAdapter.runs_siblings)")
         if h.shape[0] > 1 and (write or n > 1):
