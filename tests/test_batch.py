@@ -273,9 +273,10 @@ def test_drafts_a_batch_cuts_keep_greedy_output_and_teach_only_what_was_verified
     for p, w in zip(PROMPTS, want):
         store.add(list(p) + w)  # so suffix drafts long
     suffix = [SuffixDraft(store, draft_len=8) for _ in PROMPTS]
-    cuts, observed = [], []
+    cuts, observed, proposed = [], [], []
     for d in suffix:
         d.cut = lambda m, _f=d.cut: cuts.append(m) or _f(m)
+        d.propose = lambda *args, _f=d.propose: proposed.append(_f(*args)) or proposed[-1]
         d.observe = lambda n, _f=d.observe, _d=d: observed.append((len(_d._ratios), n)) or _f(n)
     runs = [model.prepare(p, fresh_drafter=True, drafter=d, max_new_tokens=24) for p, d in zip(PROMPTS, suffix)]
     scheduler = Scheduler(model.adapter, max_batch=len(PROMPTS))
@@ -285,6 +286,9 @@ def test_drafts_a_batch_cuts_keep_greedy_output_and_teach_only_what_was_verified
     assert [o["tokens"] for o in outs] == want
     assert scheduler.totals.drafts_cut > 0 and cuts and max(cuts) >= 2
     assert all(n <= verified for verified, n in observed)  # each round learnt from the verified tokens
+    for d in proposed:  # each token's calibrated chance, for the batch to weigh it by
+        assert d.confidence is not None and len(d.confidence) == len(d)
+        assert all(0 < c <= 1 for c in d.confidence)
     lookups = [model.prepare(p, fresh_drafter=True, method="lookup", draft_len=6, max_new_tokens=24) for p in PROMPTS]
     told = []
     for run in lookups:

@@ -38,6 +38,12 @@ class DraftContext:
     # (the batched verify, verify_rows, takes chains only).
     siblings: bool = False
 
+    @property
+    def shared(self) -> bool:
+        """Whether this sequence's verifies may be shared with others' (the batch scheduler, which
+        takes chains only): its drafts then carry Draft.confidence, for the batch to weigh."""
+        return not self.siblings
+
 
 @dataclass
 class Draft:
@@ -58,7 +64,8 @@ class Draft:
     dropped: bool = False
     # Each token's chance of being accepted given the ones before it were, as the drafter estimates
     # it (suffix decoding: its match's agreement, calibrated by what was accepted); None: no
-    # estimate. The batch scheduler weighs which drafted tokens to verify by it.
+    # estimate. The batch scheduler weighs which drafted tokens to verify by it (given where
+    # DraftContext.shared: a lone sequence's drafts spend nothing on it).
     confidence: list[float] | None = None
 
     def __len__(self) -> int:

@@ -21,7 +21,7 @@ from selfspec.heads.draft_head import PrunedHead
 from selfspec.core.draft import Draft, DraftContext
 from selfspec.core.verify_clock import PerModel, clock_for
 from selfspec.drafters.draft_length import DraftLength
-from selfspec.drafters.layers.shallow import draft_token, head_logits, top1_probability
+from selfspec.drafters.layers.shallow import draft_token, head_logits, top1
 from selfspec.heads.feature_head import FeatureHead, FeatureState
 from selfspec.native.fused_feature import FusedFeature, unsupported_reason
 from selfspec.native.fused_layer import ROWS
@@ -70,7 +70,7 @@ class FeatureDraft:
             self.head = PrunedHead.shared(adapter, self.draft_ids)
         self.ctx = ctx
         self.calibration = calibration_for(adapter)
-        self._top: list[float] = []  # the last chain draft's top-1 probabilities, token by token
+        self._top: list[float] = []  # the last chain draft's top-1 probabilities (where shared), token by token
         fused = None
         if unsupported_reason(self.feature_head, adapter, self.head) is None:
             fused = FusedFeature(self.feature_head, adapter, self.head)
@@ -96,11 +96,15 @@ class FeatureDraft:
             tokens.append(token)
             if q is not None:
                 probs.append(q)
-            self._top.append(top1_probability(logits) if q is None else float(q.max()))
-            if i + 1 < gamma and self._top[-1] < self.threshold:
-                break
+            more = i + 1 < gamma and self.threshold > 0  # a draft goes on while the token is likely
+            if more or self.ctx.shared:  # (a shared verify weighs every token by it)
+                top = top1(q, logits)
+                if self.ctx.shared:
+                    self._top.append(top)
+                if more and top < self.threshold:
+                    break
         return Draft(tokens=torch.cat(tokens), draft_probs=torch.cat(probs) if probs else None,
-                     confidence=self.calibration.chances(self._top))
+                     confidence=self.calibration.chances(self._top) if self.ctx.shared else None)
 
     def cut(self, m: int) -> None:
         """A batch verifies only the last draft's first m tokens: learn from those."""

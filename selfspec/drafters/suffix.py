@@ -222,9 +222,9 @@ class SuffixDraft:
         self._vocab = ctx.adapter.lm_head.out_features
         self.sid = self.store.add(ctx.committed)  # this request's prompt and output, for it and every later one
         # The model's calibration of the store's confidences (what was accepted per unit of them, by
-        # draft position): learnt by every round, read for each draft's Draft.confidence and, with
-        # payoff, to cut drafts here.
-        self.length = length_for(ctx.adapter)
+        # draft position): with payoff, to cut drafts here; where the verifies may be shared, for
+        # each draft's Draft.confidence. Learnt by the rounds of either; None for neither.
+        self.length = length_for(ctx.adapter) if self.payoff or ctx.shared else None
 
     def propose(self, pending: torch.Tensor, start: int, max_len: int) -> Draft:
         device = self.ctx.adapter.device
@@ -236,7 +236,7 @@ class SuffixDraft:
             tokens, ratios = tokens[:keep], ratios[:keep]
         self._ratios = ratios
         draft = torch.tensor(tokens, dtype=torch.long, device=device)
-        confidence = self.length.chances(ratios)
+        confidence = self.length.chances(ratios) if self.ctx.shared else None
         if self.ctx.sampling.greedy or not tokens:
             return Draft(tokens=draft, confidence=confidence)
         q = torch.zeros(len(tokens), self._vocab, dtype=torch.float32, device=device)  # [γ, vocab], one-hot
@@ -248,6 +248,6 @@ class SuffixDraft:
         self._ratios = self._ratios[:m]
 
     def observe(self, n_accepted: int) -> None:
-        if self._ratios:
+        if self.length is not None and self._ratios:
             self.length.learn(self._ratios, n_accepted)
         self._ratios = []

@@ -109,9 +109,13 @@ def confident(threshold: float, q: torch.Tensor | None, logits: torch.Tensor) ->
     """Whether a draft goes on after this token: its top-1 probability (from q when sampling, else
     from the logits, over a pruned head's subset too: its softmax is that of the full-vocabulary
     logits, -inf elsewhere) reaches `threshold`; always with threshold 0."""
-    if threshold <= 0:
-        return True
-    return (top1_probability(logits) if q is None else float(q.max())) >= threshold
+    return threshold <= 0 or top1(q, logits) >= threshold
+
+
+def top1(q: torch.Tensor | None, logits: torch.Tensor) -> float:
+    """A draft token's top-1 probability: from q when sampling, else from the logits (over a pruned
+    head's subset too, see `confident`)."""
+    return top1_probability(logits) if q is None else float(q.max())
 
 
 def top1_probability(logits: torch.Tensor) -> float:

@@ -413,18 +413,16 @@ static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span*
     const int most = std::is_same_v<T, uint8_t> ? INT4_LAYER_ROWS : MAX_ROWS;  // 4-bit products take any rows
     if (n < 1 || n > most || hd % 16 || hd > 512 || H % 8 || I % 8 || nspans < 1 || nspans > n) return 1;
     if (siblings && nspans > 1) return 1;
-    // owner[r]: the span of row r; first[s]: its first row. The attention's tasks: tasks[s] ..
-    // tasks[s + 1] - 1 are span s's (kv heads × chunks of its queries).
-    static thread_local std::vector<int> owner;
+    // first[s]: span s's first row. The attention's tasks: tasks[s] .. tasks[s + 1] - 1 are span s's
+    // (kv heads × chunks of its queries).
     static thread_local std::vector<long> first, chunks, tasks;
-    owner.resize(n), first.resize(nspans), chunks.resize(nspans), tasks.resize(nspans + 1);
+    first.resize(nspans), chunks.resize(nspans), tasks.resize(nspans + 1);
     const long group = nh / nkv, most_q = rows_per_attend(hd);
     long rows = 0;
     tasks[0] = 0;
     for (int s = 0; s < nspans; s++) {
         const long per = spans[s].rows;
         if (per < 1 || rows + per > n || spans[s].start < 0 || spans[s].start + per > spans[s].capacity) return 1;
-        for (long r = rows; r < rows + per; r++) owner[r] = s;
         first[s] = rows, rows += per;
         chunks[s] = (per * group + most_q - 1) / most_q;
         tasks[s + 1] = tasks[s] + nkv * chunks[s];
@@ -445,19 +443,21 @@ static int layer_spans(const Dims& d, const Weights& w, E* h, int n, const Span*
     if (do_attn) {
         for (int r = 0; r < n; r++) norm(h + r * H, (const E*)w.norm_in, x + r * H, H, d.eps, gemma);
         linear<T, E>(w.wqkv, x, w.sqkv, w.bqkv, qkv, qkv_dim, H, n, threads, X.data());
-        for (int r = 0; r < n; r++) {
-            const Span& sp = spans[owner[r]];
-            const long i = r - span_first[owner[r]], capacity = sp.capacity;
-            const long p = siblings && i ? sp.start + 1 : sp.start + i, slot = sp.start + i;
-            E* row = qkv + r * qkv_dim;
-            for (long head = 0; head < nh + nkv; head++) {
-                E* v = row + head * hd;
-                if (d.qk_norm) norm(v, (const E*)(head < nh ? w.q_norm : w.k_norm), v, hd, d.eps, gemma);
-                rotate(v, cos + p * hd, sin + p * hd, hd);
-            }
-            for (long g = 0; g < nkv; g++) {
-                memcpy((E*)sp.kc + (g * capacity + slot) * hd, row + (nh + g) * hd, hd * sizeof(E));
-                memcpy((E*)sp.vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
+        for (int s = 0; s < nspans; s++) {
+            const Span& sp = spans[s];
+            const long capacity = sp.capacity;
+            for (long i = 0; i < sp.rows; i++) {
+                const long p = siblings && i ? sp.start + 1 : sp.start + i, slot = sp.start + i;
+                E* row = qkv + (span_first[s] + i) * qkv_dim;
+                for (long head = 0; head < nh + nkv; head++) {
+                    E* v = row + head * hd;
+                    if (d.qk_norm) norm(v, (const E*)(head < nh ? w.q_norm : w.k_norm), v, hd, d.eps, gemma);
+                    rotate(v, cos + p * hd, sin + p * hd, hd);
+                }
+                for (long g = 0; g < nkv; g++) {
+                    memcpy((E*)sp.kc + (g * capacity + slot) * hd, row + (nh + g) * hd, hd * sizeof(E));
+                    memcpy((E*)sp.vc + (g * capacity + slot) * hd, row + (nh + nkv + g) * hd, hd * sizeof(E));
+                }
             }
         }
         // The queries of a span's KV head g are the (row, head) pairs of its heads, rows · group of

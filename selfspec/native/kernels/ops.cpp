@@ -241,7 +241,7 @@ Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) 
     };
     // Per row of x, the gap's coefficients on bounds' four rows; its constant part, 2^-8 (and a
     // slack) of max |approx|, is added once that maximum is known, after the first pass.
-    std::vector<float> coef(n * 4), shift(n);
+    std::vector<float> coef(n * 4);
     for (int64_t r = 0; r < n; r++) {
         double sq = 0, l1 = 0, err4 = 0, steps = 0, top = 0;
         for (int64_t blk = 0; blk < K / 32; blk++) {
@@ -292,8 +292,8 @@ Tensor head_screen(const Tensor& x, const Tensor& approx, const Tensor& bounds) 
         float top = 0.f;
         for (int64_t ch = 0; ch < chunks; ch++)
             floors[r] = std::max(floors[r], lows[ch * n + r]), top = std::max(top, tops[ch * n + r]);
-        shift[r] = (float)(top * (std::ldexp(1.0, -8) * (1 + std::ldexp(1.0, -7)) + std::ldexp(1.0, -7)));
-        floors[r] -= 2 * shift[r];  // a token is kept where approx + g + shift >= max(approx - g) - shift
+        const float shift = (float)(top * (std::ldexp(1.0, -8) * (1 + std::ldexp(1.0, -7)) + std::ldexp(1.0, -7)));
+        floors[r] -= 2 * shift;  // a token is kept where approx + g + shift >= max(approx - g) - shift
     }
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t j = c0 * grain, j1 = std::min(V, c1 * grain); j < j1; j++) {
@@ -378,14 +378,13 @@ static int layer_weights(const Tensor& x, const std::vector<std::optional<Tensor
 }
 
 // The layer over x [n, hidden]: its rows are len(starts) sequences', counts[s] rows of sequence s in
-// turn (empty counts: n / len(starts) each); sequence s's rows at positions starts[s].. of its own
-// cache keys[s], values[s] (each [layers, 1, kv_heads, capacity, head_dim], capacities free).
-// siblings: one sequence only (layer.h).
+// turn; sequence s's rows at positions starts[s].. of its own cache keys[s], values[s] (each
+// [layers, 1, kv_heads, capacity, head_dim], capacities free). siblings: one sequence only (layer.h).
 static void layer_call(const Tensor& x, const std::vector<std::optional<Tensor>>& weights, const Tensor& cos,
                        const Tensor& sin, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
-                       const std::vector<int64_t>& starts, int64_t layer, int64_t heads, int64_t act, bool sandwich,
-                       bool qk_norm, double eps, double scale, int64_t window, bool attn, bool mlp, bool siblings,
-                       const std::vector<int64_t>& counts = {}) {
+                       const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, int64_t layer,
+                       int64_t heads, int64_t act, bool sandwich, bool qk_norm, double eps, double scale,
+                       int64_t window, bool attn, bool mlp, bool siblings) {
     const int64_t spans = (int64_t)starts.size();
     TORCH_CHECK(spans >= 1 && (int64_t)keys.size() == spans && (int64_t)values.size() == spans,
                 "one cache (keys and values) per start, got ", keys.size(), ", ", values.size(), " and ", spans);
@@ -396,14 +395,12 @@ static void layer_call(const Tensor& x, const std::vector<std::optional<Tensor>>
     Dims d{};
     const int dtype = layer_weights(x, weights, nkv, hd, heads, act, sandwich, qk_norm, eps, scale, w, d);
     const int64_t n = x.size(0);
-    TORCH_CHECK(counts.empty() || (int64_t)counts.size() == spans, "one row count per start, got ", counts.size(),
-                " and ", spans);
-    TORCH_CHECK(!counts.empty() || n % spans == 0, n, " rows do not split over ", spans, " sequences");
+    TORCH_CHECK((int64_t)counts.size() == spans, "one row count per start, got ", counts.size(), " and ", spans);
     TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
     std::vector<Span> span(spans);
     int64_t end = 0, total = 0;
     for (int64_t s = 0; s < spans; s++) {
-        const int64_t per = counts.empty() ? n / spans : counts[s];
+        const int64_t per = counts[s];
         TORCH_CHECK(per >= 1, "every sequence needs a row, sequence ", s, " has ", per);
         total += per;
         TORCH_CHECK(keys[s].dim() == 5 && values[s].sizes() == keys[s].sizes(), "keys ", keys[s].sizes(),
@@ -429,8 +426,8 @@ void fused_layer(const Tensor& x, const std::vector<std::optional<Tensor>>& weig
                  const Tensor& sin, const Tensor& keys, const Tensor& values, int64_t layer, int64_t heads,
                  int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t start, int64_t window,
                  bool attn, bool mlp, bool siblings) {
-    layer_call(x, weights, cos, sin, {keys}, {values}, {start}, layer, heads, act, sandwich, qk_norm, eps, scale,
-               window, attn, mlp, siblings);
+    layer_call(x, weights, cos, sin, {keys}, {values}, {start}, {x.size(0)}, layer, heads, act, sandwich, qk_norm,
+               eps, scale, window, attn, mlp, siblings);
 }
 
 // Several sequences' rows, counts[s] of sequence s (a batched verify, its drafts unpadded; layer_call).
@@ -439,8 +436,8 @@ void fused_rows(const Tensor& x, const std::vector<std::optional<Tensor>>& weigh
                 const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, int64_t layer, int64_t heads,
                 int64_t act, bool sandwich, bool qk_norm, double eps, double scale, int64_t window, bool attn,
                 bool mlp) {
-    layer_call(x, weights, cos, sin, keys, values, starts, layer, heads, act, sandwich, qk_norm, eps, scale, window,
-               attn, mlp, false, counts);
+    layer_call(x, weights, cos, sin, keys, values, starts, counts, layer, heads, act, sandwich, qk_norm, eps, scale,
+               window, attn, mlp, false);
 }
 
 // The feature head's drafting step (feature.cpp) over previous, embedded [1, n, hidden]: returns the
